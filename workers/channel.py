@@ -1,0 +1,195 @@
+"""The report channel: rank -> supervisor, never blocking the training step.
+
+``send()`` only puts the message on a bounded queue and returns at once; a
+daemon thread serialises and writes. When the queue is full the message is
+dropped and counted (back-pressure must never slow training); the count is
+sent as a ``dropped`` message once the writer catches up.
+
+Destinations (see :mod:`spikeguard.workers.contract`):
+
+* ``off``                   — nothing is sent (the default without a supervisor)
+* ``jsonl:///path/file``    — appended to a local JSONL file
+* ``tcp://host:port``       — newline-delimited JSON to the rank's agent
+* ``unix:///path/sock``     — the same over a Unix socket
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+_STOP = object()
+
+
+class Channel:
+    """Base channel: a bounded queue drained by one daemon thread."""
+
+    def __init__(self, *, maxsize: int = 1024) -> None:
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=maxsize)
+        self.dropped = 0
+        self.sent = 0
+        self._reported_dropped = 0
+        self._thread = threading.Thread(target=self._run, name="spikeguard-channel", daemon=True)
+        self._thread.start()
+
+    # -- called from the training thread -------------------------------------------------
+    def send(self, msg: dict[str, Any]) -> bool:
+        """Enqueue ``msg``; returns False (and counts it) when the queue is full. Never blocks."""
+        try:
+            self._q.put_nowait(msg)
+            return True
+        except queue.Full:
+            self.dropped += 1
+            return False
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush what is queued (up to ``timeout`` seconds) and stop the writer."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._q.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
+                break
+            except queue.Full:
+                if time.monotonic() >= deadline:
+                    break
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+
+    # -- the writer thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            msg = self._q.get()
+            if msg is _STOP:
+                self._shutdown()
+                return
+            if self.dropped != self._reported_dropped:
+                note = {k: msg.get(k) for k in ("v", "run", "gen", "rank", "step", "t")}
+                note.update(type="dropped", count=self.dropped)
+                if self._write_line(_encode(note)):
+                    self._reported_dropped = note["count"]
+            if self._write_line(_encode(msg)):
+                self.sent += 1
+
+    def _write_line(self, line: bytes) -> bool:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _shutdown(self) -> None:
+        pass
+
+
+def _encode(msg: dict[str, Any]) -> bytes:
+    return (json.dumps(msg, separators=(",", ":"), default=_default) + "\n").encode()
+
+
+def _default(obj: Any) -> Any:
+    # tensors and numpy scalars that slipped through
+    if hasattr(obj, "item"):
+        return obj.item()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return str(obj)
+
+
+class NullChannel:
+    """Reports nothing. Same interface, no thread."""
+
+    dropped = 0
+    sent = 0
+
+    def send(self, msg: dict[str, Any]) -> bool:
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        pass
+
+
+class JsonlChannel(Channel):
+    """Appends one JSON object a line to a local file (flushed per line, not fsynced)."""
+
+    def __init__(self, path: str, *, maxsize: int = 1024) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._f = open(path, "ab", buffering=0)
+        super().__init__(maxsize=maxsize)
+
+    def _write_line(self, line: bytes) -> bool:
+        try:
+            self._f.write(line)
+            return True
+        except OSError:
+            return False
+
+    def _shutdown(self) -> None:
+        self._f.close()
+
+
+class SocketChannel(Channel):
+    """Newline-delimited JSON over TCP or a Unix socket, reconnecting with backoff.
+
+    While the agent is unreachable, messages are dropped and counted rather
+    than buffered without bound.
+    """
+
+    def __init__(self, address: str, *, maxsize: int = 1024) -> None:
+        self._address = address
+        self._sock: socket.socket | None = None
+        self._next_try = 0.0
+        self._backoff = 0.05
+        super().__init__(maxsize=maxsize)
+
+    def _connect(self) -> socket.socket | None:
+        now = time.monotonic()
+        if now < self._next_try:
+            return None
+        try:
+            if self._address.startswith("unix://"):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(5.0)
+                s.connect(self._address[len("unix://"):])
+            else:
+                host, _, port = self._address[len("tcp://"):].rpartition(":")
+                s = socket.create_connection((host.strip("[]"), int(port)), timeout=5.0)
+            self._backoff = 0.05
+            return s
+        except OSError:
+            self._next_try = now + self._backoff
+            self._backoff = min(self._backoff * 2, 2.0)
+            return None
+
+    def _write_line(self, line: bytes) -> bool:
+        if self._sock is None:
+            self._sock = self._connect()
+            if self._sock is None:
+                self.dropped += 1
+                return False
+        try:
+            self._sock.sendall(line)
+            return True
+        except OSError:
+            self._sock.close()
+            self._sock = None
+            self.dropped += 1
+            return False
+
+    def _shutdown(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+
+
+def open_channel(spec: str | None, *, maxsize: int = 1024) -> Channel | NullChannel:
+    """Open the channel named by ``spec`` (see the module docstring)."""
+    if spec is None or spec in ("", "off", "none"):
+        return NullChannel()
+    if spec.startswith("jsonl://"):
+        return JsonlChannel(spec[len("jsonl://"):], maxsize=maxsize)
+    if spec.startswith(("tcp://", "unix://")):
+        return SocketChannel(spec, maxsize=maxsize)
+    raise ValueError(
+        f"unknown report destination {spec!r}: expected 'off', 'jsonl:///path', "
+        "'tcp://host:port' or 'unix:///path'"
+    )

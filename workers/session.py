@@ -1,0 +1,289 @@
+"""The rank-side API: ``attach()``, ``step()``, ``save_checkpoint()``, ``resume()``.
+
+A training script adopts spikeguard in a few lines::
+
+    sg = spikeguard.workers.attach(model, report="jsonl:///tmp/run.jsonl")
+    start = sg.resume(model, optimizer)          # what the supervisor decided
+    for step in range(start, total):
+        if sg.should_skip(step):
+            continue
+        ...forward/backward/optimizer.step()...
+        sg.step(step=step, loss=loss.item(), grad_norm=gn, lr=lr, batch_ids=ids)
+        if step % 100 == 0 and rank == 0:
+            sg.save_checkpoint({"model": model.state_dict(),
+                                "optimizer": optimizer.state_dict()}, step=step)
+    sg.close()
+
+Under the supervisor everything is configured by environment variables
+(:mod:`spikeguard.workers.contract`); without one the same script runs and
+reports to a local JSONL file or nowhere.
+
+Probes are armed for the *next* step when that step is a sampled one, so
+the forward hooks do their work during that step's forward pass and
+``step()`` collects the result; on other steps the hooks return at once.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import os
+import socket
+import time
+from typing import Any, Iterable
+
+import torch
+
+from . import checkpoint as ckpt
+from . import contract
+from .channel import open_channel
+from .probes import Probes
+
+
+class StaleGenerationError(RuntimeError):
+    """This rank belongs to a generation the supervisor has already replaced."""
+
+
+def _num(x: Any) -> float | None:
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        x = x.item() if x.numel() == 1 else float("nan")
+    return float(x)
+
+
+def summarize(layers: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Aggregate per-layer signals: grades/ratios/entropies by min, logits/log Z by max."""
+    out: dict[str, Any] = {}
+    mins = ("grade", "erank_ratio", "attn_entropy_mean", "attn_entropy_min", "attn_entropy_min_norm")
+    maxs = ("max_logit", "logz_mean", "logz_max")
+    for name in mins + maxs:
+        vals = [v[name] for v in layers.values() if isinstance(v.get(name), (int, float))]
+        if not vals:
+            continue
+        if any(isinstance(v, float) and math.isnan(v) for v in vals):
+            out[name] = float("nan")
+        else:
+            out[name] = min(vals) if name in mins else max(vals)
+    graded = [(v["grade"], v.get("erank_ratio", 0.0), k) for k, v in layers.items() if "grade" in v]
+    if graded:
+        out["worst_layer"] = min(graded)[2]
+    return out
+
+
+class Session:
+    """One rank's connection to spikeguard. Create it with :func:`attach`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        report: str | None,
+        sample_every: int,
+        ckpt_dir: str | None,
+        run_id: str | None,
+        probe_patterns: dict[str, Iterable[str]] | None,
+        batch_ids_window: int,
+        queue_size: int,
+    ) -> None:
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.generation = contract.env_int(contract.ENV_GENERATION, 0)
+        self.run_id = os.environ.get(contract.ENV_RUN_ID) or run_id or "local"
+        self.sample_every = contract.env_int(contract.ENV_SAMPLE_EVERY, sample_every)
+        if self.sample_every < 1:
+            raise ValueError(f"sample_every must be >= 1, got {self.sample_every}")
+        self.ckpt_dir = os.environ.get(contract.ENV_CKPT_DIR) or ckpt_dir
+        self._fence_file = os.environ.get(contract.ENV_FENCE_FILE)
+        spec = os.environ.get(contract.ENV_REPORT) or report
+        self.channel = open_channel(spec, maxsize=queue_size)
+        self.plan = contract.ResumePlan.from_env()
+        self.lr_scale = 1.0
+        self.probes = Probes(model, **(probe_patterns or {}))
+        self.batch_ids: collections.deque[tuple[int, Any]] = collections.deque(maxlen=batch_ids_window)
+        self._step = 0
+        self._last_loss: float | None = None
+        self._last_sample: dict[str, Any] | None = None
+        self._hook_handles: list[Any] = []
+        self._send("hello", world_size=self.world_size, pid=os.getpid(), host=socket.gethostname(),
+                   sample_every=self.sample_every)
+        self._arm(0)
+
+    # -- messages -----------------------------------------------------------------------
+    def _send(self, type_: str, step: int | None = None, **fields: Any) -> bool:
+        msg = {"v": contract.FORMAT_VERSION, "type": type_, "run": self.run_id, "gen": self.generation,
+               "rank": self.rank, "step": self._step if step is None else step, "t": time.time()}
+        msg.update(fields)
+        return self.channel.send(msg)
+
+    def _arm(self, step: int) -> None:
+        if step % self.sample_every == 0:
+            self.probes.arm(step)
+        else:
+            self.probes.disarm()
+
+    # -- per step ------------------------------------------------------------------------
+    def step(self, *, step: int | None = None, loss: Any = None, grad_norm: Any = None,
+             lr: float | None = None, batch_ids: Any = None, extra: dict[str, Any] | None = None) -> None:
+        """Record one finished training step: a heartbeat, and a full report on sampled steps.
+
+        Never blocks on I/O. ``loss``/``grad_norm`` may be floats or scalar tensors
+        (a tensor costs a device sync; pass floats if you already have them).
+        ``extra``: more JSON-able metrics, sent in the message under ``extra``.
+        """
+        s = self._step if step is None else int(step)
+        loss_f, gn_f = _num(loss), _num(grad_norm)
+        eff_lr = None if lr is None else float(lr) * self.lr_scale
+        self._last_loss = loss_f
+        if batch_ids is not None:
+            self.batch_ids.append((s, batch_ids))
+        fields: dict[str, Any] = {"loss": loss_f, "lr": eff_lr, "grad_norm": gn_f}
+        if extra:
+            fields["extra"] = extra
+        if self.probes.armed_step == s:
+            layers = self.probes.collect()
+            self.probes.disarm()
+            summary = summarize(layers)
+            self._last_sample = {"step": s, "layers": layers, "summary": summary, "loss": loss_f}
+            self._send("report", step=s, layers=layers, summary=summary, lr_scale=self.lr_scale, **fields)
+        else:
+            self._send("heartbeat", step=s, **fields)
+        self._step = s + 1
+        self._arm(self._step)
+
+    def should_skip(self, step: int) -> bool:
+        """True when the supervisor asked to skip this step's batch (incident data window)."""
+        if self.plan is None:
+            return False
+        for a, b in self.plan.skip_ranges:
+            if a <= step <= b:
+                self._send("skipped", step=step)
+                self._step = step + 1
+                self._arm(self._step)
+                return True
+        return False
+
+    def recent_batch_ids(self) -> list[tuple[int, Any]]:
+        """The last ~200 steps' ``batch_ids`` (oldest first), for incident forensics."""
+        return list(self.batch_ids)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def _check_fence(self) -> None:
+        if not self._fence_file:
+            return
+        try:
+            with open(self._fence_file, encoding="utf-8") as f:
+                current = int(f.read().strip() or 0)
+        except FileNotFoundError:
+            return
+        if current > self.generation:
+            raise StaleGenerationError(
+                f"rank {self.rank} of generation {self.generation} was fenced "
+                f"(current generation {current}); checkpoint refused")
+
+    def save_checkpoint(self, state: dict[str, Any], *, step: int, **meta: Any) -> ckpt.CheckpointInfo:
+        """Atomically write ``state`` with the grade metadata of the latest sample.
+
+        The metadata records the per-layer grades/signals of the most recent
+        sampled step (``signals_step``), the loss, the LR scale and the
+        generation. Refused with :class:`StaleGenerationError` if fenced.
+        """
+        if not self.ckpt_dir:
+            raise ValueError("no checkpoint directory: pass ckpt_dir= to attach() or set SPIKEGUARD_CKPT_DIR")
+        self._check_fence()
+        os.makedirs(self.ckpt_dir, exist_ok=True)
+        sample = self._last_sample or {}
+        summary = sample.get("summary", {})
+        grade = summary.get("grade")
+        full_meta = {
+            "loss": self._last_loss, "grade": None if grade is None else int(grade),
+            "signals_step": sample.get("step"), "summary": summary, "layers": sample.get("layers", {}),
+            "lr_scale": self.lr_scale, "run": self.run_id, **meta,
+        }
+        info = ckpt.write_checkpoint(self.ckpt_dir, state, step=step, generation=self.generation,
+                                     rank=self.rank, meta=full_meta, fence=self._check_fence)
+        self._send("checkpoint", step=step, path=info.path, sha256=info.sha256, grade=full_meta["grade"],
+                   loss=self._last_loss)
+        return info
+
+    def resume(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+               scheduler: Any = None) -> int:
+        """Apply the supervisor's plan for this launch; returns the step to start from.
+
+        Loads the chosen checkpoint (checksum verified, ``weights_only=True``),
+        keeps or resets the optimizer state, loads the scheduler state if the
+        checkpoint has one, and installs the LR scale as optimizer step hooks so
+        that it survives any LR schedule (manual or ``torch.optim.lr_scheduler``).
+        """
+        plan = self.plan
+        if plan is None:
+            return 0
+        start = 0
+        if plan.checkpoint:
+            state = ckpt.load_checkpoint(plan.checkpoint, expected_sha256=plan.sha256)
+            model.load_state_dict(state["model"])
+            if optimizer is not None and not plan.reset_optimizer and "optimizer" in state:
+                optimizer.load_state_dict(state["optimizer"])
+            if scheduler is not None and "scheduler" in state:
+                scheduler.load_state_dict(state["scheduler"])
+            start = int(state.get("step", plan.checkpoint_step if plan.checkpoint_step is not None else -1)) + 1
+        if optimizer is not None:
+            self._install_lr_scale(optimizer, plan.lr_scale)
+        self._step = start
+        self._arm(start)
+        self._send("resumed", step=start, from_step=start, checkpoint=plan.checkpoint,
+                   lr_scale=self.lr_scale, optimizer_reset=bool(plan.reset_optimizer and optimizer is not None),
+                   skip_ranges=[list(r) for r in plan.skip_ranges])
+        return start
+
+    def _install_lr_scale(self, optimizer: torch.optim.Optimizer, scale: float) -> None:
+        self.lr_scale = float(scale)
+        if scale == 1.0:
+            return
+        saved: list[Any] = []
+
+        def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            saved[:] = [g["lr"] for g in opt.param_groups]
+            for g in opt.param_groups:
+                g["lr"] = g["lr"] * self.lr_scale
+
+        def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            for g, lr in zip(opt.param_groups, saved):
+                g["lr"] = lr
+
+        self._hook_handles += [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Say ``done``, flush the channel and remove hooks."""
+        self._send("done")
+        self.probes.remove()
+        for h in self._hook_handles:
+            h.remove()
+        self.channel.close(timeout)
+
+
+def attach(
+    model: torch.nn.Module,
+    *,
+    report: str | None = None,
+    sample_every: int = 200,
+    ckpt_dir: str | None = None,
+    run_id: str | None = None,
+    probe_patterns: dict[str, Iterable[str]] | None = None,
+    batch_ids_window: int = 200,
+    queue_size: int = 1024,
+) -> Session:
+    """Attach spikeguard to ``model`` in this rank. See :class:`Session`.
+
+    Args:
+        report: where reports go without a supervisor: ``"off"`` (default) or
+            ``"jsonl:///path/file.jsonl"``. ``SPIKEGUARD_REPORT`` overrides it.
+        sample_every: probe activations every N steps (``SPIKEGUARD_SAMPLE_EVERY`` overrides).
+        ckpt_dir: checkpoint directory (``SPIKEGUARD_CKPT_DIR`` overrides).
+        run_id: a name echoed in every message (``SPIKEGUARD_RUN_ID`` overrides).
+        probe_patterns: keyword arguments for :class:`~spikeguard.workers.probes.Probes`.
+        batch_ids_window: how many steps of ``batch_ids`` to keep for forensics.
+        queue_size: bound of the report queue; beyond it messages are dropped and counted.
+    """
+    return Session(model, report=report, sample_every=sample_every, ckpt_dir=ckpt_dir, run_id=run_id,
+                   probe_patterns=probe_patterns, batch_ids_window=batch_ids_window, queue_size=queue_size)
