@@ -1,0 +1,97 @@
+"""The journal: an append-only, fsynced event log in the run directory.
+
+It is the single source for ``spikeguard status``/``events``, for Slack and
+for a restarted supervisor. One JSON object a line; each append is flushed
+and fsynced before ``append`` returns, so an event that was acted upon is on
+disk. A torn last line (the supervisor died mid-write) is ignored on read.
+
+Every event has ``seq``, ``kind``, ``time`` (ISO-8601 UTC), ``mono``
+(seconds on the supervisor's monotonic clock since it started), ``run``,
+``incident`` (or null) and ``reason``, plus the kind's own fields.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+JOURNAL_NAME = "journal.jsonl"
+
+#: The recovery story's kinds (``spikeguard events`` documents these), then the bookkeeping ones.
+KINDS = (
+    "launch", "incident", "kill", "rollback", "lr_cut", "optimizer_reset", "probation_start",
+    "probation_progress", "probation_passed", "probation_failed", "escalated", "completed", "failed",
+    "stopped", "alert", "supervisor_start", "notify_thread", "notify_undelivered",
+)
+
+
+class Journal:
+    """Append-only event log. Thread-safe (the Slack sender journals from its own thread)."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], *, run: str) -> None:
+        self.path = Path(run_dir) / JOURNAL_NAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.run = run
+        self._lock = threading.Lock()
+        self._t0 = time.monotonic()
+        existing = read_events(self.path)
+        self._seq = existing[-1]["seq"] if existing else 0
+        self._mono_base = existing[-1].get("mono", 0.0) if existing else 0.0
+        self._f = open(self.path, "ab")
+        if self._f.tell() > 0:
+            with open(self.path, "rb") as r:
+                r.seek(-1, os.SEEK_END)
+                if r.read(1) != b"\n":  # end a torn line so the next event starts clean
+                    self._f.write(b"\n")
+
+    def mono(self) -> float:
+        """Seconds since this journal was first opened (continues across supervisor restarts)."""
+        return self._mono_base + (time.monotonic() - self._t0)
+
+    def append(self, kind: str, **fields: Any) -> dict[str, Any]:
+        if kind not in KINDS:
+            raise ValueError(f"unknown journal kind {kind!r}")
+        with self._lock:
+            self._seq += 1
+            ev = {"seq": self._seq, "kind": kind,
+                  "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
+                  "mono": round(self.mono(), 3), "run": self.run,
+                  "incident": fields.pop("incident", None), "reason": fields.pop("reason", "")}
+            ev.update(fields)
+            self._f.write((json.dumps(ev, default=str) + "\n").encode())
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            return ev
+
+    def record(self, event: dict[str, Any]) -> dict[str, Any]:
+        """Append an event given as a dict with a ``kind`` (what the recovery machine returns)."""
+        fields = dict(event)
+        return self.append(fields.pop("kind"), **fields)
+
+    def close(self) -> None:
+        with self._lock:
+            self._f.close()
+
+
+def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / JOURNAL_NAME
+    if not p.exists():
+        return
+    with open(p, "rb") as f:
+        for line in f:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue  # a torn last line from a crash mid-append
+            if isinstance(ev, dict) and "kind" in ev:
+                yield ev
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    return list(iter_events(path))

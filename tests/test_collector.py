@@ -1,0 +1,103 @@
+"""The collector: validation, generation fencing, exits and hangs (no Ray; time is passed in)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spikeguard.supervisor.collector import Collector
+
+
+def line(**kw) -> bytes:
+    msg = {"v": 1, "type": "heartbeat", "run": "r", "gen": 2, "rank": 0, "step": 5, "t": 0.0, "loss": 2.0}
+    msg.update(kw)
+    return json.dumps(msg).encode()
+
+
+@pytest.fixture
+def col() -> Collector:
+    c = Collector(world_size=2, hang_timeout_s=10, first_heartbeat_timeout_s=60)
+    c.new_generation(2, now=100.0)
+    return c
+
+
+def test_accepts_current_generation_and_stamps_arrival(col):
+    msg = col.ingest(0, line(), now=101.5)
+    assert msg is not None and msg["at"] == 101.5
+    assert col.ranks[0].step == 5 and col.ranks[0].loss == 2.0
+
+
+def test_stale_generation_report_is_dropped_and_counted(col):
+    assert col.ingest(0, line(gen=1, type="report", summary={"grade": 1}), now=101) is None
+    assert col.dropped["stale_generation"] == 1
+    assert col.ranks[0].step is None  # nothing of it was taken in
+
+
+@pytest.mark.parametrize("raw,why", [
+    (b"{not json", "malformed"),
+    (b"[1, 2]", "malformed"),
+    (b"\xff\xfe", "malformed"),
+    (line(v=99), "bad_version"),
+    (line(type="brag"), "unknown_type"),
+    (line(step="5"), "wrong_type"),
+    (line(loss="2.0"), "wrong_type"),
+    (line(gen=True), "wrong_type"),
+    (line(summary=[1]), "wrong_type"),
+])
+def test_bad_lines_are_dropped_with_a_reason_never_raise(col, raw, why):
+    assert col.ingest(0, raw, now=101) is None
+    assert col.dropped[why] == 1
+
+
+def test_unknown_rank_and_rank_spoofing_are_dropped(col):
+    assert col.ingest(7, line(rank=7), now=101) is None
+    assert col.ingest(1, line(rank=0), now=101) is None  # rank 1's socket claiming to be rank 0
+    assert col.dropped["unknown_rank"] == 2
+
+
+def test_nonfinite_metrics_pass_through_as_data(col):
+    msg = col.ingest(0, b'{"v":1,"type":"heartbeat","run":"r","gen":2,"rank":0,"step":6,"t":0,"loss":NaN}', 101)
+    assert msg is not None and msg["loss"] != msg["loss"]
+
+
+def test_fence_drops_everything_until_the_next_generation(col):
+    col.fence()
+    assert col.ingest(0, line(), now=101) is None
+    col.new_generation(3, now=102)
+    assert col.ingest(0, line(gen=3), now=103) is not None
+
+
+def test_exit_message_once_and_only_for_current_generation(col):
+    assert col.exit(1, 3, generation=1, now=101) is None
+    msg = col.exit(1, 3, generation=2, now=101)
+    assert msg["type"] == "exit" and msg["code"] == 3 and msg["rank"] == 1
+    assert col.exit(1, 3, generation=2, now=102) is None
+
+
+def test_hang_uses_first_heartbeat_timeout_then_the_regular_one(col):
+    assert col.check_hangs(now=159.0) == []  # 59 s since launch < 60 s first-heartbeat allowance
+    col.ingest(0, line(), now=159.5)
+    hangs = col.check_hangs(now=160.5)
+    assert [h["rank"] for h in hangs] == [1] and hangs[0]["first"] is True
+    assert col.check_hangs(now=169.0) == []  # rank 0 silent 9.5 s < 10 s
+    hangs = col.check_hangs(now=170.0)
+    assert [h["rank"] for h in hangs] == [0] and hangs[0]["first"] is False
+    assert col.check_hangs(now=500.0) == []  # reported once per generation
+
+
+def test_a_slow_but_progressing_rank_is_not_hung(col):
+    for i in range(20):  # one step every 8 s, under the 10 s timeout
+        col.ingest(0, line(step=i), now=100 + 8 * i)
+        col.ingest(1, line(rank=1, step=i), now=100 + 8 * i)
+        assert col.check_hangs(now=100 + 8 * i + 7.9) == []
+
+
+def test_min_step_and_all_finished(col):
+    col.ingest(0, line(step=9), now=101)
+    assert col.min_step() is None  # rank 1 not heard from yet
+    col.ingest(1, line(rank=1, step=7), now=101)
+    assert col.min_step() == 7
+    col.exit(0, 0, 2, now=102)
+    assert not col.all_finished()
+    col.exit(1, 0, 2, now=102)
+    assert col.all_finished()
