@@ -1,3 +1,145 @@
-def main(argv=None):
-    print("spikeguard")
+"""The ``spikeguard`` command.
+
+Exit codes: 0 completed · 1 failed · 2 bad input · 3 escalated (or held) ·
+5 stopped by ``spikeguard stop`` · 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .runner import EXIT_BAD_INPUT
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from spikeguard.policies import PolicyError
+
+    from .job import load_job
+    from .runner import run_job
+
+    overrides: dict[str, Any] = {}
+    for field in ("workers", "policy", "run_dir", "name"):
+        v = getattr(args, field, None)
+        if v is not None:
+            overrides[field] = v
+    if args.address:
+        overrides["ray"] = {"address": args.address}
+    try:
+        job = load_job(args.job, overrides)
+        from spikeguard.policies import load_policy
+
+        load_policy(job.policy)  # bad policy: say so before starting anything
+    except (PolicyError, OSError) as e:
+        print(f"spikeguard: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return run_job(job, live=not args.quiet)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .console import render_status
+    from .journal import read_events
+
+    path = Path(args.run_dir) / "status.json"
+    if not path.exists():
+        print(f"spikeguard: no run in {args.run_dir} (no status.json)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    status = json.loads(path.read_text())
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    print(render_status(status))
+    events = read_events(args.run_dir)
+    incidents = [e for e in events if e["kind"] == "incident"]
+    print(f"{len(events)} events, {len(incidents)} incident(s); last: "
+          + (f"{events[-1]['kind']} — {events[-1].get('reason', '')}" if events else "none"))
+    if status.get("dropped"):
+        print(f"dropped reports: {status['dropped']}")
     return 0
+
+
+def _events(args: argparse.Namespace) -> int:
+    from .console import describe
+    from .journal import read_events
+
+    if not (Path(args.run_dir) / "journal.jsonl").exists():
+        print(f"spikeguard: no journal in {args.run_dir}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for ev in read_events(args.run_dir):
+        if args.kind and ev["kind"] not in args.kind:
+            continue
+        if args.json:
+            print(json.dumps(ev))
+        else:
+            inc = f" {ev['incident']}" if ev.get("incident") else ""
+            print(f"{ev['seq']:4d} {ev['time']} {ev['kind']:<17}{inc}  {describe(ev)}")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    run = Path(args.run_dir)
+    if not (run / "journal.jsonl").exists():
+        print(f"spikeguard: no run in {args.run_dir}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    (run / "STOP").write_text(args.reason)
+    print(f"spikeguard: asked the supervisor of {run} to stop ({args.reason})")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(run_dir=args.run_dir, steps=args.steps, workers=args.workers, policy=args.policy,
+                    seed=args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spikeguard", description="Supervise distributed PyTorch training "
+                                "and recover loss spikes by itself.", epilog=__doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("submit", help="run a job under supervision")
+    s.add_argument("job", help="job YAML")
+    s.add_argument("--address", help="an existing Ray cluster (default: an embedded local Ray)")
+    s.add_argument("--workers", type=int)
+    s.add_argument("--policy", help="policy file or built-in name")
+    s.add_argument("--run-dir", dest="run_dir")
+    s.add_argument("--name")
+    s.add_argument("--quiet", action="store_true", help="no live view")
+    s.set_defaults(func=_submit)
+    s = sub.add_parser("status", help="the state of a run")
+    s.add_argument("run_dir")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_status)
+    s = sub.add_parser("events", help="the run's journal")
+    s.add_argument("run_dir")
+    s.add_argument("--json", action="store_true", help="JSON lines")
+    s.add_argument("--kind", action="append", help="only these kinds (repeatable)")
+    s.set_defaults(func=_events)
+    s = sub.add_parser("stop", help="ask a running supervisor to stop its job")
+    s.add_argument("run_dir")
+    s.add_argument("--reason", default="stopped by user")
+    s.set_defaults(func=_stop)
+    s = sub.add_parser("demo", help="the diverging example, 2 ranks on local Ray, recovered by spikeguard")
+    s.add_argument("--run-dir", dest="run_dir", default=None)
+    s.add_argument("--steps", type=int, default=None)
+    s.add_argument("--workers", type=int, default=2)
+    s.add_argument("--policy", default="default")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=_demo)
+    for mod in ("spikeguard.policies.commands", "spikeguard.supervisor.slack_cmd"):
+        try:
+            __import__(mod, fromlist=["register"]).register(sub)
+        except ImportError:
+            pass
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

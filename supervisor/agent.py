@@ -1,0 +1,158 @@
+"""The rank agent: one Ray actor per rank, owning that rank's training process.
+
+The agent runs the user's torchrun-style entrypoint as a subprocess in its
+own session (so the whole process tree can be SIGKILLed, also while it is
+hung inside a collective), serves the rank's report socket and buffers what
+arrives until the supervisor polls. It knows nothing of policies or
+recovery: it only starts, reports and kills.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from typing import Any
+
+MAX_BUFFERED_LINES = 20000
+MAX_LINE_BYTES = 1 << 20
+
+
+class RankAgent:
+    """Plain class; the supervisor wraps it with ``ray.remote`` (see ``workers.py``)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._lines: list[bytes] = []
+        self._overflow = 0
+        self._last_rx = time.monotonic()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._generation = -1
+        self._sockdir = tempfile.mkdtemp(prefix="sg-")
+        self._server: socket.socket | None = None
+        self._log: Any = None
+
+    # -- placement facts ------------------------------------------------------------------
+    def node_info(self) -> dict[str, Any]:
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "host": socket.gethostname(), "pid": os.getpid()}
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    # -- the report socket ------------------------------------------------------------------
+    def _serve(self, path: str) -> None:
+        if self._server is not None:
+            self._server.close()
+        if os.path.exists(path):
+            os.unlink(path)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(path)
+        srv.listen(8)
+        self._server = srv
+        threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
+
+    def _accept(self, srv: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        buf = b""
+        with conn:
+            while True:
+                try:
+                    chunk = conn.recv(65536)
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                if len(buf) > MAX_LINE_BYTES:  # a line without end: drop it rather than grow forever
+                    buf = b""
+                with self._lock:
+                    self._last_rx = time.monotonic()
+                    room = MAX_BUFFERED_LINES - len(self._lines)
+                    self._lines.extend(lines[:max(room, 0)])
+                    self._overflow += max(len(lines) - max(room, 0), 0)
+
+    # -- process lifecycle ------------------------------------------------------------------
+    def start(self, *, generation: int, cmd: list[str], env: dict[str, str], cwd: str, log_path: str) -> dict[str, Any]:
+        """Start generation ``generation`` of this rank. Returns its pid and report address."""
+        if self._proc is not None and self._proc.poll() is None:
+            self.kill()
+        sock = os.path.join(self._sockdir, f"r{self.rank}-g{generation}.sock")
+        self._serve(sock)
+        with self._lock:
+            self._lines.clear()
+            self._overflow = 0
+            self._last_rx = time.monotonic()
+        full_env = dict(os.environ)
+        full_env.update(env)
+        full_env["SPIKEGUARD_REPORT"] = f"unix://{sock}"
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        if self._log is not None:
+            self._log.close()
+        self._log = open(log_path, "ab")
+        self._generation = generation
+        self._proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        return {"pid": self._proc.pid, "report": f"unix://{sock}", "generation": generation}
+
+    def poll(self) -> dict[str, Any]:
+        """Drain buffered report lines; exit code if the process ended; seconds since the last line."""
+        with self._lock:
+            lines, self._lines = self._lines, []
+            overflow, self._overflow = self._overflow, 0
+            age = time.monotonic() - self._last_rx
+        code = None if self._proc is None else self._proc.poll()
+        return {"rank": self.rank, "generation": self._generation, "lines": lines, "overflow": overflow,
+                "exit": code, "rx_age_s": age, "pid": None if self._proc is None else self._proc.pid}
+
+    def kill(self, grace_s: float = 0.0) -> float:
+        """SIGKILL the rank's whole process group (after SIGTERM and ``grace_s`` if > 0).
+
+        Works while the rank is hung inside a collective. Returns the seconds it took.
+        """
+        t0 = time.monotonic()
+        p = self._proc
+        if p is None or p.poll() is not None:
+            return 0.0
+        if grace_s > 0:
+            _signal_group(p.pid, signal.SIGTERM)
+            try:
+                p.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(p.pid, signal.SIGKILL)
+        try:
+            p.wait(10.0)
+        except subprocess.TimeoutExpired:
+            pass
+        return time.monotonic() - t0
+
+    def ping(self) -> int:
+        return self.rank
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass

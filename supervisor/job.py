@@ -1,0 +1,121 @@
+"""The job spec (``spikeguard submit job.yaml``): what to run, where, under which policy.
+
+Validated with pydantic (unknown fields are errors); YAML is read with the
+same safe, line-aware loader as policies, so every error names the file,
+line and field.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from spikeguard.policies.loader import load_model_file
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class Timeouts(_Strict):
+    heartbeat_s: float = Field(60.0, gt=0)
+    """A rank that sent no message for this long is hung (an incident)."""
+    first_heartbeat_s: float = Field(300.0, gt=0)
+    """Allowance for the first message after a launch (imports, data loading, compilation)."""
+    kill_grace_s: float = Field(0.0, ge=0)
+    """SIGTERM first and wait this long before SIGKILL (0: SIGKILL at once)."""
+
+
+class RaySettings(_Strict):
+    address: str | None = None
+    """An existing Ray cluster (``auto`` or ``ray://…``); None starts an embedded local Ray."""
+    object_store_mb: int = Field(256, ge=80)
+    """Object store size of the embedded Ray (Ray would otherwise reserve 30 % of RAM)."""
+    num_cpus: int | None = Field(None, ge=1)
+    """Logical CPUs of the embedded Ray (default: enough for the workers, at least the machine's)."""
+
+
+class SlackJob(_Strict):
+    channel: str | None = None
+    """Slack channel id or name; default from SPIKEGUARD_SLACK_CHANNEL. The token comes from SLACK_BOT_TOKEN only."""
+    mention: str | None = None
+    """Who a page mentions, e.g. ``<!subteam^S0123>`` or ``<@U0123>``."""
+
+
+class NotifyJob(_Strict):
+    slack: SlackJob | None = None
+    """Slack on-call settings (None: console only)."""
+
+
+class JobSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    """Run name: letters, digits, ``.``, ``_``, ``-``."""
+    entrypoint: str = Field(min_length=1)
+    """A torchrun-style training script (path, relative to the job file), or ``-m package.module``."""
+    args: list[str] = []
+    """Arguments passed to the entrypoint."""
+    workers: int = Field(2, ge=1, le=4096)
+    """Number of ranks (one Ray actor and one process each)."""
+    cpus_per_worker: float = Field(1.0, ge=0)
+    """CPUs reserved per rank."""
+    gpus_per_worker: float = Field(0.0, ge=0)
+    """GPUs reserved per rank (0 on CPU machines)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend hint, exported as SPIKEGUARD_BACKEND (auto: nccl with GPUs, else gloo)."""
+    run_dir: str = "runs/{name}"
+    """Where the journal, reports, checkpoints and logs go (``{name}`` is substituted)."""
+    checkpoint_every: int | None = Field(None, ge=1)
+    """Checkpoint interval hint, exported as SPIKEGUARD_CKPT_EVERY for scripts that read it."""
+    sample_every: int | None = Field(None, ge=1)
+    """Probe interval override, exported as SPIKEGUARD_SAMPLE_EVERY."""
+    policy: str = "default"
+    """A policy file (relative to the job file) or a built-in name: default, conservative, aggressive."""
+    env: dict[str, str] = {}
+    """Extra environment variables for the ranks (never secrets: those stay in your environment)."""
+    timeouts: Timeouts = Timeouts()
+    """Hang detection and kill settings."""
+    ray: RaySettings = RaySettings()
+    """Where to run."""
+    notify: NotifyJob = NotifyJob()
+    """On-call notification."""
+
+    @field_validator("env")
+    @classmethod
+    def _no_secrets(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if any(w in k.upper() for w in ("TOKEN", "SECRET", "PASSWORD", "WEBHOOK")) or val.startswith("xox"):
+                raise ValueError(f"env.{k} looks like a secret: set it in the supervisor's environment, "
+                                 "not in the job file")
+        return v
+
+    @model_validator(mode="after")
+    def _gpu_backend(self) -> "JobSpec":
+        if self.backend == "nccl" and self.gpus_per_worker == 0:
+            raise ValueError("backend nccl needs gpus_per_worker > 0")
+        return self
+
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if self.gpus_per_worker > 0 else "gloo"
+
+    def resolved_run_dir(self, base: str | os.PathLike[str] = ".") -> Path:
+        return Path(base, self.run_dir.replace("{name}", self.name)).resolve()
+
+
+def load_job(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> JobSpec:
+    """Load and validate a job file; ``overrides`` (from CLI flags) replace top-level fields.
+
+    Relative ``entrypoint`` and ``policy`` paths are resolved against the job file's folder.
+    Raises :class:`spikeguard.policies.PolicyError` (file:line:col: field: message).
+    """
+    job: JobSpec = load_model_file(JobSpec, path, overrides=overrides)
+    base = Path(path).resolve().parent
+    upd: dict[str, Any] = {}
+    if not job.entrypoint.startswith("-m ") and not Path(job.entrypoint).is_absolute():
+        upd["entrypoint"] = str(base / job.entrypoint)
+    if job.policy.endswith((".yaml", ".yml")) and not Path(job.policy).is_absolute():
+        upd["policy"] = str(base / job.policy)
+    return job.model_copy(update=upd) if upd else job

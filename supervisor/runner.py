@@ -1,0 +1,101 @@
+"""Wires a job: Ray (embedded or existing), the worker group, the policy engine,
+the notifiers and the controller. The thin layer under ``spikeguard submit``."""
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from .console import ConsoleNotifier, LiveView
+from .controller import Controller
+from .job import JobSpec
+from .workers import GroupSpec, WorkerGroup, python_cmd
+
+EXIT_COMPLETED, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_STOPPED = 0, 1, 2, 3, 5
+
+
+def init_ray(job: JobSpec) -> bool:
+    """Attach to ``job.ray.address`` or start an embedded local Ray. Returns True if we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "namespace": "spikeguard"}
+    if job.ray.address:
+        ray.init(address=job.ray.address, **kw)
+        return False
+    need = int(job.workers * max(job.cpus_per_worker, 0) + 0.999)
+    ray.init(num_cpus=job.ray.num_cpus or max(need, os.cpu_count() or 1),
+             object_store_memory=job.ray.object_store_mb * 1024 * 1024, **kw)
+    return True
+
+
+def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> list[Any]:
+    notifiers: list[Any] = [ConsoleNotifier()]
+    slack_cfg = job.notify.slack
+    pol_slack = getattr(getattr(policy, "notify", None), "slack", None)
+    channel = ((slack_cfg.channel if slack_cfg else None) or getattr(pol_slack, "channel", None)
+               or os.environ.get("SPIKEGUARD_SLACK_CHANNEL"))
+    if not channel and not os.environ.get("SPIKEGUARD_SLACK_WEBHOOK_URL"):
+        return notifiers
+    if not (os.environ.get("SLACK_BOT_TOKEN") or os.environ.get("SPIKEGUARD_SLACK_WEBHOOK_URL")):
+        print("spikeguard: Slack is configured but neither SLACK_BOT_TOKEN nor SPIKEGUARD_SLACK_WEBHOOK_URL "
+              "is set; notifying on the console only")
+        return notifiers
+    from .slack import SlackNotifier, SlackSettings
+
+    settings = SlackSettings.from_env(
+        channel=(slack_cfg.channel if slack_cfg and slack_cfg.channel else getattr(pol_slack, "channel", None)),
+        mention=(slack_cfg.mention if slack_cfg and slack_cfg.mention else getattr(pol_slack, "mention", None)),
+        runbook_url=getattr(pol_slack, "runbook_url", None), dashboard_url=getattr(pol_slack, "dashboard_url", None))
+    notifiers.append(SlackNotifier(settings, run=run_id, journal=journal_fn))
+    return notifiers
+
+
+def run_job(job: JobSpec, *, live: bool = True) -> int:
+    """Run ``job`` to its end; returns the process exit code (see the README's table)."""
+    from spikeguard.policies import Engine, load_policy
+
+    import ray
+
+    policy = load_policy(job.policy)
+    run_dir = job.resolved_run_dir()
+    started = init_ray(job)
+    group = WorkerGroup(GroupSpec(world_size=job.workers, cpus_per_worker=job.cpus_per_worker,
+                                  gpus_per_worker=job.gpus_per_worker), run_id=job.name, run_dir=str(run_dir))
+    env = {k: str(v) for k, v in job.env.items()}
+    env["SPIKEGUARD_BACKEND"] = job.resolved_backend()
+    if job.checkpoint_every:
+        env["SPIKEGUARD_CKPT_EVERY"] = str(job.checkpoint_every)
+    if job.sample_every:
+        env["SPIKEGUARD_SAMPLE_EVERY"] = str(job.sample_every)
+    ctl: Controller | None = None
+    old_term = signal.getsignal(signal.SIGTERM)
+    try:
+        group.start()
+        ctl = Controller(run_dir=str(run_dir), run_id=job.name, group=group, engine=Engine(policy),
+                         cmd=python_cmd(job.entrypoint, list(job.args)), env=env, world_size=job.workers,
+                         hang_timeout_s=job.timeouts.heartbeat_s,
+                         first_heartbeat_timeout_s=job.timeouts.first_heartbeat_s,
+                         kill_grace_s=job.timeouts.kill_grace_s,
+                         on_tick=LiveView() if live else None)
+        ctl.notifiers = make_notifiers(job, policy, job.name, ctl.journal.record)
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        print(f"spikeguard: run {job.name} in {run_dir} ({job.workers} ranks, policy {job.policy})", flush=True)
+        return ctl.run()
+    except KeyboardInterrupt:
+        if ctl is not None:
+            ctl.stop_file.write_text("interrupted (Ctrl-C / SIGTERM)")
+            ctl.step()
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        if ctl is not None:
+            for n in ctl.notifiers:
+                close = getattr(n, "close", None)
+                if close:
+                    close(10.0)
+            ctl.close()
+        group.shutdown()
+        if started:
+            ray.shutdown()
