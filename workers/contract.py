@@ -99,6 +99,8 @@ class ResumePlan:
 
     checkpoint: str | None = None
     """Path of the checkpoint to load; None starts from scratch (with the other settings)."""
+    checkpoint_step: int | None = None
+    """The training step the checkpoint was taken at (training resumes at the next one)."""
     sha256: str | None = None
     """Expected checksum of that checkpoint; a mismatch refuses the load."""
     lr_scale: float = 1.0
