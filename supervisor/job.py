@@ -111,7 +111,7 @@ def load_job(path: str | os.PathLike[str], overrides: dict[str, Any] | None = No
     Relative ``entrypoint`` and ``policy`` paths are resolved against the job file's folder.
     Raises :class:`spikeguard.policies.PolicyError` (file:line:col: field: message).
     """
-    job: JobSpec = load_model_file(JobSpec, path, overrides=overrides)
+    job: JobSpec = load_model_file(JobSpec, path, overrides=overrides, secrets=True)
     base = Path(path).resolve().parent
     upd: dict[str, Any] = {}
     if not job.entrypoint.startswith("-m ") and not Path(job.entrypoint).is_absolute():

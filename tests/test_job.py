@@ -1,0 +1,63 @@
+"""The job spec: validation with file:line errors, secrets refused, CLI exit codes (no Ray)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spikeguard.policies import PolicyError
+from spikeguard.supervisor.job import load_job
+
+GOOD = """\
+name: pretrain-1b
+entrypoint: train.py
+args: ["--steps", "100"]
+workers: 2
+policy: default
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "job.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_good_job_resolves_paths_against_the_job_file(tmp_path):
+    job = load_job(write(tmp_path, GOOD))
+    assert job.entrypoint == str(tmp_path / "train.py") and job.workers == 2
+    assert job.resolved_backend() == "gloo"
+    assert job.resolved_run_dir(tmp_path) == tmp_path / "runs" / "pretrain-1b"
+
+
+def test_cli_overrides_replace_fields(tmp_path):
+    assert load_job(write(tmp_path, GOOD), {"workers": 4}).workers == 4
+
+
+@pytest.mark.parametrize("text,line,needle", [
+    (GOOD + "wrokers: 3\n", 6, "wrokers"),
+    (GOOD.replace("workers: 2", "workers: two"), 4, "workers"),
+    (GOOD.replace("workers: 2", "workers: 0"), 4, "workers"),
+    (GOOD + "backend: mpi\n", 6, "backend"),
+    (GOOD + "notify:\n  slack:\n    channel: '#x'\n    token: xoxb-123-456-abcdef\n", 9, "token"),
+    (GOOD + "env:\n  HF_TOKEN: abc\n", 7, "secret"),
+    (GOOD + "workers: 3\n", 6, "duplicate"),
+])
+def test_bad_jobs_name_file_line_and_field(tmp_path, text, line, needle):
+    p = write(tmp_path, text)
+    with pytest.raises(PolicyError) as e:
+        load_job(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}:{line}:"), msg
+    assert needle in msg.lower(), msg
+    assert "xoxb-123" not in msg  # never echo a secret
+
+
+def test_submit_with_a_bad_job_exits_2_without_a_traceback(tmp_path):
+    p = write(tmp_path, GOOD + "wrokers: 3\n")
+    r = subprocess.run([sys.executable, "-m", "spikeguard.supervisor.cli", "submit", str(p)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and f"{p}:6:" in r.stderr
