@@ -1,0 +1,263 @@
+"""Condition models: the tests a rule applies to a rank's report stream."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, BeforeValidator, Discriminator, Field, Tag, field_validator, model_validator
+from typing_extensions import Annotated
+
+from . import expr
+from .base import _Model
+from .values import LAYER_SIGNALS, DurationOf, Signal, fail, finite, parse_grade, show, suggest
+
+# --- conditions ---------------------------------------------------------------------------
+
+_KIND_KEYS = {
+    ":threshold": ("below", "above"),
+    ":change": ("drops_by", "rises_by"),
+    ":trailing": ("above_median", "below_median", "z_above", "z_below"),
+    ":nonfinite": ("nonfinite",),
+    ":crash": ("crash",),
+    ":hang": ("hang",),
+    ":all": ("all",),
+    ":any": ("any",),
+}
+_ALL_CONDITION_KEYS = sorted({k for keys in _KIND_KEYS.values() for k in keys} | {"signal", "within", "window"})
+
+
+class _Leaf(_Model):
+    def leaves(self) -> list["_Leaf"]:
+        return [self]
+
+    def signals(self) -> set[str]:
+        sig = getattr(self, "signal", None)
+        return {sig} if sig else set()
+
+    def cadence(self) -> frozenset[str]:
+        """The message types this condition is evaluated on."""
+        if self.signals() & set(LAYER_SIGNALS):
+            return frozenset({"report"})
+        return frozenset({"heartbeat", "report"})
+
+
+def _number_or_grade(data: dict, keys: tuple[str, ...]) -> dict:
+    """Grades ``S3`` are allowed (and only allowed) for the grade signal."""
+    data = dict(data)
+    for key in keys:
+        v = data.get(key)
+        if isinstance(v, str):
+            if data.get("signal") != "grade":
+                fail(f"{show(v)} is not a number" + (" (grades S0…S7 only apply to the grade signal)"
+                                                       if v[:1] in "sS" else ""), key)
+            try:
+                data[key] = parse_grade(v)
+            except PydanticCustomError:
+                fail(f"expected a grade S0…S7 (S7 is healthy), got {show(v)}", key)
+    return data
+
+
+class Threshold(_Leaf):
+    """Fires while the signal is strictly below (or above) a fixed value."""
+
+    signal: Signal
+    """The signal to compare: a per-layer signal (grade, erank_ratio, attn_entropy_*, max_logit, logz_*) or loss, grad_norm, lr."""
+    below: Optional[float] = Field(None, json_schema_extra={"anyOf": [{"type": "number"}, {"type": "string", "pattern": "^S[0-7]$"}]})
+    """Fire while the value is < this (strict). For the grade signal write S0…S7."""
+    above: Optional[float] = Field(None, json_schema_extra={"anyOf": [{"type": "number"}, {"type": "string", "pattern": "^S[0-7]$"}]})
+    """Fire while the value is > this (strict)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _grades(cls, data: Any) -> Any:
+        return _number_or_grade(data, ("below", "above")) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _one(self) -> "Threshold":
+        if self.below is not None and self.above is not None:
+            fail("use either 'below' or 'above' (for a band, write any: with two conditions)", "above")
+        for key in ("below", "above"):
+            if getattr(self, key) is not None:
+                finite(getattr(self, key))
+        return self
+
+
+class Change(_Leaf):
+    """Fires when the signal fell (or rose) by at least an amount within a short window."""
+
+    signal: Signal
+    """The signal to watch."""
+    drops_by: Optional[float] = Field(None, gt=0)
+    """Fire when the value is at least this much below the highest value in the window (≥, not >)."""
+    rises_by: Optional[float] = Field(None, gt=0)
+    """Fire when the value is at least this much above the lowest value in the window."""
+    within: DurationOf("samples", "steps") = Field("2 samples", validate_default=True)  # type: ignore[valid-type]
+    """The window that includes the current value: '2 samples' compares two consecutive samples."""
+
+    @model_validator(mode="after")
+    def _one(self) -> "Change":
+        if (self.drops_by is None) == (self.rises_by is None):
+            fail("use either 'drops_by' or 'rises_by'", "rises_by")
+        if self.within.value < 2 and self.within.unit == "samples":
+            fail("'within' must span at least 2 samples (the current one and one before)", "within")
+        if self.within.value < 1:
+            fail("'within' must span at least 1 step", "within")
+        return self
+
+
+class Trailing(_Leaf):
+    """Compares the value with the trailing median of the same series (ratio and/or robust z-score)."""
+
+    signal: Signal
+    """The signal to watch."""
+    window: DurationOf("samples", "steps")  # type: ignore[valid-type]
+    """Trailing window the median is taken over (values before the current one); it must be full before the rule can fire."""
+    above_median: Optional[float] = Field(None, gt=0)
+    """Fire when value > this × median (e.g. 1.5 for a loss spike)."""
+    below_median: Optional[float] = Field(None, gt=0)
+    """Fire when value < this × median (e.g. 0.5 for an entropy collapse)."""
+    z_above: Optional[float] = Field(None, gt=0)
+    """Fire when (value − median) / (1.4826 × MAD) ≥ this. With a ratio, both must hold."""
+    z_below: Optional[float] = Field(None, gt=0)
+    """Fire when (median − value) / (1.4826 × MAD) ≥ this. With a ratio, both must hold."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Trailing":
+        up = self.above_median is not None or self.z_above is not None
+        down = self.below_median is not None or self.z_below is not None
+        if up and down:
+            fail("a trailing test watches one direction: use above_median/z_above or below_median/z_below")
+        if self.window.value < 3:
+            fail("the window needs at least 3 values for a median", "window")
+        return self
+
+    @property
+    def rising(self) -> bool:
+        return self.above_median is not None or self.z_above is not None
+
+
+class NonFinite(_Leaf):
+    """Fires when the signal is NaN or ±infinity."""
+
+    signal: Signal
+    """The signal to watch."""
+    nonfinite: Literal[True]
+    """Always true."""
+
+
+class Crash(_Leaf):
+    """Fires when a rank's process exited with a code other than 0 (the supervisor's ``exit`` message)."""
+
+    crash: Literal[True]
+    """Always true."""
+
+    def cadence(self) -> frozenset[str]:
+        return frozenset({"exit"})
+
+
+class Hang(_Leaf):
+    """Fires when the supervisor declares a rank hung (no heartbeat within its timeout)."""
+
+    hang: Union[Literal[True], DurationOf("seconds")]  # type: ignore[valid-type]
+    """true for any hang the supervisor reports, or a minimum heartbeat age such as 5m."""
+
+    @field_validator("hang", mode="before")
+    @classmethod
+    def _value(cls, v: Any) -> Any:
+        if v is False:
+            fail("write 'hang: true' or a minimum heartbeat age like 'hang: 5m' (or remove the condition)")
+        return v
+
+    def cadence(self) -> frozenset[str]:
+        return frozenset({"hang"})
+
+
+class _Group(_Model):
+    def leaves(self) -> list[_Leaf]:
+        return [leaf for c in self.conditions for leaf in c.leaves()]
+
+    def signals(self) -> set[str]:
+        return {s for c in self.conditions for s in c.signals()}
+
+
+class AllOf(_Group):
+    """Fires when every listed condition holds on the same message."""
+
+    all: list["Condition"] = Field(min_length=1)
+    """Conditions that must all hold."""
+
+    @property
+    def conditions(self) -> list[Any]:
+        return self.all
+
+    def cadence(self) -> frozenset[str]:
+        out = frozenset.intersection(*(c.cadence() for c in self.all))
+        if not out:
+            fail("these conditions never arrive together (crash comes with exit messages, hang with "
+                 "hang messages, per-layer signals with reports): combine them with any: instead")
+        return out
+
+    @model_validator(mode="after")
+    def _together(self) -> "AllOf":
+        self.cadence()
+        return self
+
+
+class AnyOf(_Group):
+    """Fires when at least one listed condition holds."""
+
+    any: list["Condition"] = Field(min_length=1)
+    """Conditions of which one must hold."""
+
+    @property
+    def conditions(self) -> list[Any]:
+        return self.any
+
+    def cadence(self) -> frozenset[str]:
+        return frozenset.union(*(c.cadence() for c in self.any))
+
+
+def _condition_input(v: Any) -> Any:
+    if isinstance(v, str):
+        return expr.parse(v)
+    if isinstance(v, BaseModel):
+        return v
+    if not isinstance(v, dict):
+        fail(f"expected a condition (a mapping, or a string like 'grade < S3'), got {show(v)}")
+    kinds = [(tag, k) for tag, keys in _KIND_KEYS.items() for k in keys if k in v]
+    if not kinds:
+        for key in v:
+            if key not in _ALL_CONDITION_KEYS:
+                fail(f"unknown field {show(key)}{suggest(key, _ALL_CONDITION_KEYS)}", key, key=True)
+        fail("a condition needs a test: below/above, drops_by/rises_by, above_median/below_median/"
+             "z_above/z_below, nonfinite, crash or hang, or a list under all:/any:")
+    if len({tag for tag, _ in kinds}) > 1:
+        a, b = kinds[0][1], next(k for tag, k in kinds if tag != kinds[0][0])
+        fail(f"a condition tests one thing, found {a!r} and {b!r}: combine tests with all: or any:", b)
+    return v
+
+
+def _condition_kind(v: Any) -> str | None:
+    if isinstance(v, dict):
+        return next((tag for tag, keys in _KIND_KEYS.items() if any(k in v for k in keys)), None)
+    return {Threshold: ":threshold", Change: ":change", Trailing: ":trailing", NonFinite: ":nonfinite",
+            Crash: ":crash", Hang: ":hang", AllOf: ":all", AnyOf: ":any"}.get(type(v))
+
+
+_ConditionUnion = Annotated[
+    Union[
+        Annotated[Threshold, Tag(":threshold")], Annotated[Change, Tag(":change")],
+        Annotated[Trailing, Tag(":trailing")], Annotated[NonFinite, Tag(":nonfinite")],
+        Annotated[Crash, Tag(":crash")], Annotated[Hang, Tag(":hang")],
+        Annotated[AllOf, Tag(":all")], Annotated[AnyOf, Tag(":any")],
+    ],
+    Discriminator(_condition_kind),
+]
+Condition = Annotated[
+    _ConditionUnion,
+    BeforeValidator(_condition_input, json_schema_input_type=Union[str, _ConditionUnion]),
+]
+"""A condition: a mapping (one test, or all:/any: of conditions) or a compact string (see expr)."""
+
+AllOf.model_rebuild()
+AnyOf.model_rebuild()

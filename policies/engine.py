@@ -1,0 +1,322 @@
+"""The policy engine: a pure, deterministic function from a message stream to decisions.
+
+``Engine(policy).observe(msg)`` takes one message at a time (rank messages per
+``workers/contract.py`` plus the supervisor's ``exit`` and ``hang``) and returns the decisions it
+triggers. Nothing here reads a clock, a file or the environment: time comes from each
+message's ``at`` (the supervisor's monotonic seconds), or ``t`` when ``at`` is absent, so the
+same messages always give the same decisions, and :func:`replay` over ``reports.jsonl``
+reproduces what the live supervisor saw.
+
+Semantics, per rule:
+
+* A rule is evaluated on the messages that carry its signals: per-layer signals on ``report``,
+  loss/grad_norm/lr on ``heartbeat`` and ``report`` (once per step), ``crash`` on ``exit``,
+  ``hang`` on ``hang``. With ``layers:`` each matching layer is its own instance, otherwise the
+  rank's summary is used.
+* ``for:`` counts consecutive true evaluations of an instance (samples), the steps they span
+  (last − first + 1), or the time between the first and the current one.
+* A rank holds the rule when one of its instances has held long enough and the step is past
+  warm-in. Scope ``any`` fires per rank; ``all``/``fraction``/``at_least`` fire once for the
+  group when enough ranks hold it (rank None in the decision).
+* Firing is edge-triggered like a Prometheus alert: one decision when the rule starts to hold,
+  none while it keeps holding, and (for notify rules with ``send_resolved``) a resolved decision
+  when it stops. ``cooldown`` keeps the whole rule quiet for a while after it fired; step
+  cooldowns count steps of training seen, so a rollback does not stretch them.
+* Warm-in compares the absolute training step with the rule's warm-in.
+* A message with a higher ``gen`` starts a new generation (a relaunch): trailing series,
+  persistence and firing state restart, so ratio and drop rules need their windows to refill
+  from the resumed step before they can fire again; warm-in is not re-applied (the resumed step
+  is usually past it; if a rollback lands inside it, it applies as to any step); cooldowns and
+  the step clock carry over. Messages of an older generation are ignored, and so are messages
+  of a generation passed to :meth:`Engine.retire` (the supervisor killed it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+from typing import Any, Iterable, Literal
+
+from .evaluate import Context, Hit, Message, Series, evaluate, number
+from .schema import FractionOfRanks, Policy, RecoverySettings, Rule
+from .values import LAYER_SIGNALS, Duration
+
+__all__ = ["Decision", "Engine", "replay"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What a rule decided on a message."""
+
+    rule: str
+    action: Literal["notify", "recover", "checkpoint", "stop"]
+    severity: Literal["info", "warn", "page"]
+    reason: str
+    """One sentence with the numbers."""
+    rank: int | None
+    """The rank, or None when the rule's scope spans ranks."""
+    layer: str | None
+    step: int
+    signal: str | None
+    value: float | None
+    generation: int
+    recovery: RecoverySettings
+    """The effective recovery settings (the rule's overrides applied)."""
+    resolved: bool = False
+    """True for the 'no longer holds' message of a notify rule (policy notify.send_resolved)."""
+    at: float | None = None
+    """The message time (supervisor seconds) the decision was made at."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["recovery"] = self.recovery.model_dump(mode="json")
+        if d["value"] is not None and not math.isfinite(d["value"]):
+            d["value"] = str(d["value"])
+        return d
+
+
+@dataclasses.dataclass
+class _Instance:
+    count: int = 0
+    since_step: int = 0
+    since_at: float = 0.0
+    last_step: int | None = None
+    hit: Hit | None = None
+    ready: bool = False
+
+
+@dataclasses.dataclass
+class _Group:
+    firing: bool = False
+    hit: Hit | None = None
+    rank: int | None = None
+
+
+class _Compiled:
+    def __init__(self, index: int, rule: Rule, policy: Policy) -> None:
+        self.index, self.rule = index, rule
+        self.cadence = rule.when.cadence()
+        self.events = self.cadence <= {"exit", "hang"}
+        self.recovery = policy.recovery_for(rule)
+        default = policy.warm_in.value if rule.uses_layer_signals else 0
+        self.warm_in = int(rule.warm_in.value) if rule.warm_in is not None else int(default)
+
+    def layers(self, msg: Message) -> list[str | None]:
+        globs = self.rule.layers
+        if globs is None or msg.type != "report":
+            return [None]
+        return [name for name in msg.layers if any(fnmatch.fnmatchcase(name, g) for g in globs)]
+
+    def persisted(self, inst: _Instance, step: int, at: float) -> bool:
+        d: Duration | None = self.rule.for_
+        if d is None:
+            return True
+        if d.unit == "samples":
+            return inst.count >= d.value
+        if d.unit == "steps":
+            return step - inst.since_step + 1 >= d.value
+        return at - inst.since_at >= d.value
+
+
+class Engine:
+    """Evaluates a policy over a message stream; see the module docstring for the semantics."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.rules = [_Compiled(i, r, policy) for i, r in enumerate(policy.rules)]
+        self.generation: int | None = None
+        self.retired = -1
+        self.ignored = 0
+        """Messages ignored so far (older or retired generation, or malformed)."""
+        self._history: dict[str, int] = {}  # signal -> series length it needs
+        for c in self.rules:
+            for leaf in c.rule.when.leaves():
+                size = getattr(leaf, "window", None) or getattr(leaf, "within", None)
+                if size is not None:
+                    need = int(size.value) + 2
+                    self._history[leaf.signal] = max(self._history.get(leaf.signal, 0), need)
+        self._fired: dict[int, tuple[int, float]] = {}  # rule -> (step clock, at) of the last firing
+        self._progress = 0
+        self._last_at = 0.0
+        self._reset_generation()
+
+    def _reset_generation(self) -> None:
+        self._series: dict[tuple, Series] = {}
+        self._instances: dict[tuple[int, int], dict[str | None, _Instance]] = {}
+        self._groups: dict[tuple[int, int | None], _Group] = {}
+        self._ranks: set[int] = set()
+        self._world_size = 0
+        self._max_step: int | None = None
+        self._last_step: dict[int, int] = {}
+
+    def retire(self, generation: int) -> None:
+        """Ignore every later message of ``generation`` and older (the supervisor killed it)."""
+        self.retired = max(self.retired, generation)
+
+    # --- the message loop -----------------------------------------------------------------
+
+    def observe(self, msg: dict) -> list[Decision]:
+        """Feed one message; returns the decisions it triggers (usually none)."""
+        parsed = self._accept(msg)
+        if parsed is None:
+            return []
+        self._record(parsed)
+        out: list[Decision] = []
+        for c in self.rules:
+            if parsed.type in c.cadence:
+                out.extend(self._evaluate(c, parsed))
+        return out
+
+    def _accept(self, msg: Any) -> Message | None:
+        if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+            self.ignored += 1
+            return None
+        gen, rank = msg.get("gen", 0), msg.get("rank")
+        if not isinstance(gen, int) or isinstance(gen, bool) or not isinstance(rank, int) or isinstance(rank, bool):
+            self.ignored += 1
+            return None
+        if gen <= self.retired or (self.generation is not None and gen < self.generation):
+            self.ignored += 1
+            return None
+        if self.generation is None or gen > self.generation:
+            if self.generation is not None:
+                self._reset_generation()
+            self.generation = gen
+        step = number(msg.get("step"))
+        if step is None or not math.isfinite(step) or (step < 0 and msg["type"] in ("exit", "hang")):
+            if msg["type"] not in ("exit", "hang"):
+                self.ignored += 1
+                return None
+            step = self._last_step.get(rank, max(self._max_step or 0, 0))  # -1: before any step
+        at = number(msg.get("at"))
+        if at is None:
+            at = number(msg.get("t"))
+        if at is not None and math.isfinite(at):
+            self._last_at = at
+        return Message(msg, int(step), self._last_at)
+
+    def _record(self, m: Message) -> None:
+        self._ranks.add(m.rank)
+        if m.type == "hello" and isinstance(m.raw.get("world_size"), int):
+            self._world_size = m.raw["world_size"]
+        if m.type not in ("heartbeat", "report"):
+            return  # only these carry a training step (a relaunch says hello at step 0)
+        self._last_step[m.rank] = max(m.step, self._last_step.get(m.rank, m.step))
+        if self._max_step is None:
+            self._max_step = m.step
+        elif m.step > self._max_step:
+            self._progress += m.step - self._max_step
+            self._max_step = m.step
+        for signal, need in self._history.items():
+            keys: list[str | None] = [None]
+            if signal in LAYER_SIGNALS:
+                if m.type != "report":
+                    continue
+                keys += list(m.layers)
+            for layer in keys:
+                v = m.value(signal, layer)
+                if v is not None:
+                    s = self._series.get((m.rank, layer, signal))
+                    if s is None:
+                        s = self._series[(m.rank, layer, signal)] = Series(need)
+                    s.add(m.step, v)
+
+    def _evaluate(self, c: _Compiled, m: Message) -> list[Decision]:
+        per_layer = self._instances.setdefault((c.index, m.rank), {})
+        for layer in c.layers(m):
+            inst = per_layer.setdefault(layer, _Instance())
+            if not c.events:
+                if inst.last_step is not None and m.step <= inst.last_step:
+                    continue  # this step was already evaluated (heartbeat, then the report)
+                inst.last_step = m.step
+            hit = None if c.warm_in > 0 and m.step < c.warm_in else evaluate(c.rule.when, Context(m, layer, self._series))
+            if hit is None:
+                inst.count, inst.hit, inst.ready = 0, None, False
+                continue
+            if inst.count == 0:
+                inst.since_step, inst.since_at = m.step, m.at
+            inst.count += 1
+            inst.hit = hit
+            inst.ready = c.persisted(inst, m.step, m.at)
+        scope = c.rule.ranks
+        if scope == "any":
+            hit = self._rank_hit(c, m.rank)
+            return self._update(c, m, (c.index, m.rank), hit, m.rank, "")
+        holding = {r: h for r in sorted(self._ranks) if (h := self._rank_hit(c, r)) is not None}
+        world = max(self._world_size, len(self._ranks))
+        if scope == "all":
+            need = world
+        elif isinstance(scope, FractionOfRanks):
+            need = max(1, math.ceil(scope.fraction * world - 1e-9))
+        else:
+            need = scope.at_least
+        hit, lead = None, None
+        if len(holding) >= need:
+            lead = m.rank if m.rank in holding else next(iter(holding))
+            hit = holding[lead]
+        who = f"{len(holding)} of {world} ranks ({', '.join(map(str, holding))}) hold it; "
+        return self._update(c, m, (c.index, None), hit, lead, who)
+
+    def _rank_hit(self, c: _Compiled, rank: int) -> Hit | None:
+        for inst in self._instances.get((c.index, rank), {}).values():
+            if inst.ready:
+                return inst.hit
+        return None
+
+    def _update(self, c: _Compiled, m: Message, key: tuple, hit: Hit | None, rank: int | None,
+                who: str) -> list[Decision]:
+        group = self._groups.setdefault(key, _Group())
+        rule = c.rule
+        if hit is not None and not group.firing:
+            if self._cooling(c, m):
+                return []
+            group.firing, group.hit, group.rank = True, hit, rank
+            self._fired[c.index] = (self._progress, m.at)
+            where = f"rank {rank}" + (f" layer {hit.layer}" if hit.layer else "")
+            held = f" (held for {rule.for_})" if rule.for_ is not None else ""
+            reason = f"{who}{where}: {hit.text}{held}"
+            return [self._decision(c, m, reason, key[1], hit.layer, hit.signal, hit.value)]
+        if hit is None and group.firing:
+            group.firing = False
+            if rule.action == "notify" and self.policy.notify.send_resolved:
+                prev = group.hit
+                where = "the ranks" if key[1] is None else f"rank {key[1]}"
+                reason = f"resolved: {rule.name} no longer holds on {where}"
+                return [self._decision(c, m, reason, key[1], prev.layer if prev else None,
+                                       prev.signal if prev else None, None, resolved=True)]
+        return []
+
+    def _cooling(self, c: _Compiled, m: Message) -> bool:
+        d, last = c.rule.cooldown, self._fired.get(c.index)
+        if d is None or last is None:
+            return False
+        if d.unit == "steps":
+            return self._progress - last[0] < d.value
+        return m.at - last[1] < d.value
+
+    def _decision(self, c: _Compiled, m: Message, reason: str, rank: int | None, layer: str | None,
+                  signal: str | None, value: float | None, resolved: bool = False) -> Decision:
+        rule = c.rule
+        return Decision(rule=rule.name, action=rule.action, severity=rule.severity, reason=reason,
+                        rank=rank, layer=layer, step=m.step, signal=signal, value=value,
+                        generation=self.generation or 0, recovery=c.recovery, resolved=resolved,
+                        at=m.at)
+
+
+def replay(policy: Policy, messages: Iterable[dict]) -> list[Decision]:
+    """The decisions a live supervisor would have taken on these messages, in order.
+
+    Like the supervisor, a ``recover`` or ``stop`` decision for generation g ends g at once: the
+    rest of that message's decisions and g's later messages (the ranks it kills) are ignored.
+    A live supervisor that calls :meth:`Engine.retire` when it kills a generation sees exactly
+    these decisions.
+    """
+    engine = Engine(policy)
+    out: list[Decision] = []
+    for msg in messages:
+        for d in engine.observe(msg):
+            out.append(d)
+            if d.action in ("recover", "stop"):
+                engine.retire(d.generation)
+                break
+    return out

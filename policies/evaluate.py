@@ -1,0 +1,234 @@
+"""Evaluating one condition on one message: values, trailing series, and the tests themselves.
+
+Pure functions of a message and the series the engine keeps; no state of their own.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import statistics
+from typing import Any, Iterable
+
+from .conditions import AllOf, AnyOf, Change, Crash, Hang, NonFinite, Threshold, Trailing
+from .values import AGGREGATE, LAYER_SIGNALS, format_grade
+
+
+@dataclasses.dataclass(frozen=True)
+class Hit:
+    """A condition held: which signal, its value, on which layer, in words."""
+
+    signal: str | None
+    value: float | None
+    layer: str | None
+    text: str
+
+
+def number(v: Any) -> float | None:
+    """A reported value as a float, or None when absent or not a number."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v)
+
+
+def fmt(signal: str | None, v: float | None) -> str:
+    if v is None:
+        return "null"
+    if signal == "grade" and math.isfinite(v):
+        return format_grade(v)
+    return f"{v:.4g}"
+
+
+class Message:
+    """A rank message with the accessors the tests need."""
+
+    def __init__(self, raw: dict, step: int, at: float) -> None:
+        self.raw, self.type, self.step, self.at = raw, raw.get("type"), step, at
+        self.rank: int = raw["rank"]
+        layers = raw.get("layers")
+        self.layers: dict[str, dict] = (
+            {k: v for k, v in layers.items() if isinstance(k, str) and isinstance(v, dict)}
+            if isinstance(layers, dict) else {})
+
+    def value(self, signal: str, layer: str | None) -> float | None:
+        if signal not in LAYER_SIGNALS:
+            return number(self.raw.get(signal))
+        if layer is not None:
+            return number(self.layers.get(layer, {}).get(signal))
+        summary = self.raw.get("summary")
+        v = number(summary.get(signal)) if isinstance(summary, dict) else None
+        if v is not None:
+            return v
+        values = [x for x in (number(d.get(signal)) for d in self.layers.values()) if x is not None]
+        return (max if AGGREGATE[signal] == "max" else min)(values) if values else None
+
+    def source_layer(self, signal: str, layer: str | None) -> str | None:
+        """The layer a value came from: the layer itself, or the one that set the summary value."""
+        if layer is not None or signal not in LAYER_SIGNALS:
+            return layer
+        v = self.value(signal, None)
+        for name, d in self.layers.items():
+            if number(d.get(signal)) == v:
+                return name
+        summary = self.raw.get("summary")
+        worst = summary.get("worst_layer") if isinstance(summary, dict) else None
+        return worst if signal == "grade" and isinstance(worst, str) else None
+
+
+class Series:
+    """The recent (step, value) points of one signal on one rank and layer, in this generation."""
+
+    __slots__ = ("points", "first_step")
+
+    def __init__(self, maxlen: int) -> None:
+        self.points: collections.deque[tuple[int, float]] = collections.deque(maxlen=maxlen)
+        self.first_step: int | None = None
+
+    def add(self, step: int, value: float) -> None:
+        if self.points and step <= self.points[-1][0]:
+            return  # the report repeats its step's heartbeat, or arrived late
+        if self.first_step is None:
+            self.first_step = step
+        self.points.append((step, value))
+
+    def before(self, step: int) -> list[tuple[int, float]]:
+        return [p for p in self.points if p[0] < step]
+
+
+def _window(series: Series | None, step: int, size: int, unit: str, need_full: bool) -> list[tuple[int, float]] | None:
+    """Points before ``step`` inside the window, or None while the window is not yet full."""
+    if series is None:
+        return None
+    past = series.before(step)
+    if unit == "samples":
+        pts = past[-size:]
+        return pts if len(pts) >= size or (not need_full and pts) else None
+    if need_full and (series.first_step is None or series.first_step > step - size):
+        return None
+    pts = [p for p in past if p[0] >= step - size]
+    return pts or None
+
+
+class Context:
+    """Where a condition is evaluated: one message, one layer (None: the summary), the series."""
+
+    def __init__(self, msg: Message, layer: str | None, series: dict) -> None:
+        self.msg, self.layer, self.series = msg, layer, series
+
+    def value(self, signal: str) -> float | None:
+        return self.msg.value(signal, self.layer)
+
+    def layer_of(self, signal: str) -> str | None:
+        return self.msg.source_layer(signal, self.layer)
+
+    def history(self, signal: str) -> Series | None:
+        layer = self.layer if signal in LAYER_SIGNALS else None
+        return self.series.get((self.msg.rank, layer, signal))
+
+
+def evaluate(cond: Any, ctx: Context) -> Hit | None:
+    """The hit if ``cond`` holds on this message, else None."""
+    kind = type(cond)
+    if kind is AllOf:
+        hits = []
+        for c in cond.all:
+            hit = evaluate(c, ctx)
+            if hit is None:
+                return None
+            hits.append(hit)
+        return Hit(hits[0].signal, hits[0].value, next((h.layer for h in hits if h.layer), None),
+                   " and ".join(h.text for h in hits))
+    if kind is AnyOf:
+        for c in cond.any:
+            if ctx.msg.type in c.cadence():
+                hit = evaluate(c, ctx)
+                if hit is not None:
+                    return hit
+        return None
+    if kind is Crash:
+        code = ctx.msg.raw.get("code")
+        if isinstance(code, int) and not isinstance(code, bool) and code != 0:
+            how = f" (killed by signal {-code})" if code < 0 else ""
+            return Hit("exit_code", float(code), None, f"the process exited with code {code}{how}")
+        return None
+    if kind is Hang:
+        age = number(ctx.msg.raw.get("age_s"))
+        if age is not None and (cond.hang is True or age >= cond.hang.value):
+            return Hit("heartbeat_age", age, None, f"no heartbeat for {age:.0f} s")
+        return None
+    signal = cond.signal
+    v = ctx.value(signal)
+    if v is None:
+        return None
+    layer = ctx.layer_of(signal)
+    if kind is NonFinite:
+        return None if math.isfinite(v) else Hit(signal, v, layer, f"{signal} is {v}")
+    if not math.isfinite(v):
+        return None
+    if kind is Threshold:
+        if cond.below is not None and v < cond.below:
+            return Hit(signal, v, layer, f"{signal} {fmt(signal, v)} is below {fmt(signal, cond.below)}")
+        if cond.above is not None and v > cond.above:
+            return Hit(signal, v, layer, f"{signal} {fmt(signal, v)} is above {fmt(signal, cond.above)}")
+        return None
+    if kind is Change:
+        return _change(cond, ctx, v, layer)
+    if kind is Trailing:
+        return _trailing(cond, ctx, v, layer)
+    raise TypeError(f"unknown condition {kind.__name__}")
+
+
+def _change(cond: Change, ctx: Context, v: float, layer: str | None) -> Hit | None:
+    w = cond.within
+    size = int(w.value) - 1 if w.unit == "samples" else int(w.value)
+    pts = _window(ctx.history(cond.signal), ctx.msg.step, size, w.unit, need_full=False)
+    pts = [p for p in (pts or []) if math.isfinite(p[1])]
+    if not pts:
+        return None
+    s = cond.signal
+    if cond.drops_by is not None:
+        ref = max(pts, key=lambda p: p[1])
+        if ref[1] - v >= cond.drops_by:
+            return Hit(s, v, layer, f"{s} fell from {fmt(s, ref[1])} to {fmt(s, v)} within {w} "
+                                    f"(steps {ref[0]}→{ctx.msg.step})")
+        return None
+    ref = min(pts, key=lambda p: p[1])
+    if v - ref[1] >= cond.rises_by:  # type: ignore[operator]
+        return Hit(s, v, layer, f"{s} rose from {fmt(s, ref[1])} to {fmt(s, v)} within {w} "
+                                f"(steps {ref[0]}→{ctx.msg.step})")
+    return None
+
+
+def robust_z(v: float, values: Iterable[float]) -> tuple[float, float]:
+    """(median, z) with z = (v - median) / (1.4826 · MAD); ±inf when the window is constant."""
+    values = list(values)
+    med = statistics.median(values)
+    scale = 1.4826 * statistics.median(abs(x - med) for x in values)
+    if scale > 0:
+        return med, (v - med) / scale
+    return med, 0.0 if v == med else math.copysign(math.inf, v - med)
+
+
+def _trailing(cond: Trailing, ctx: Context, v: float, layer: str | None) -> Hit | None:
+    w = cond.window
+    pts = _window(ctx.history(cond.signal), ctx.msg.step, int(w.value), w.unit, need_full=True)
+    values = [p[1] for p in (pts or []) if math.isfinite(p[1])]
+    if len(values) < 3:
+        return None
+    med, z = robust_z(v, values)
+    s, parts = cond.signal, []
+    if cond.above_median is not None or cond.below_median is not None:
+        factor = cond.above_median if cond.above_median is not None else cond.below_median
+        if med <= 0:
+            return None
+        ok = v > factor * med if cond.above_median is not None else v < factor * med  # type: ignore[operator]
+        if not ok:
+            return None
+        parts.append(f"{v / med:.2f}× its trailing median {fmt(s, med)} over {w}")
+    if cond.z_above is not None or cond.z_below is not None:
+        ok = z >= cond.z_above if cond.z_above is not None else -z >= cond.z_below  # type: ignore[operator]
+        if not ok:
+            return None
+        parts.append(f"z-score {z:.3g} against the trailing median {fmt(s, med)} over {w}"
+                     if len(parts) == 0 else f"z-score {z:.3g}")
+    return Hit(s, v, layer, f"{s} {fmt(s, v)} is " + ", ".join(parts))

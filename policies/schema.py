@@ -1,0 +1,334 @@
+"""The policy model: what a YAML policy file may say, validated by pydantic.
+
+Every model forbids unknown fields (with a did-you-mean hint) and documents each field; the
+docstrings become the JSON Schema descriptions (``spikeguard policy schema``). The condition
+models live in :mod:`.conditions`.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any, ClassVar, Literal, Mapping, Optional, Union
+
+from pydantic import BeforeValidator, Discriminator, Field, Tag, WithJsonSchema, field_validator, model_validator
+from typing_extensions import Annotated
+
+from .base import _Model
+from .conditions import AllOf, AnyOf, Change, Condition, Crash, Hang, NonFinite, Threshold, Trailing
+from .values import (
+    LAYER_SIGNALS, Action, Destination, DurationOf, Grade, Severity, StepCount, StrictBool, fail,
+    find_secret, show, suggest,
+)
+
+__all__ = [
+    "Policy", "Rule", "RecoverySettings", "RecoveryOverrides", "NotifySettings", "SlackSettings",
+    "Routes", "FractionOfRanks", "AtLeastRanks", "Condition", "Threshold", "Change", "Trailing",
+    "NonFinite", "Crash", "Hang", "AllOf", "AnyOf", "DEFAULT_SEVERITY",
+]
+
+DEFAULT_SEVERITY = {"notify": "warn", "recover": "warn", "checkpoint": "info", "stop": "page"}
+
+# --- rank scope ---------------------------------------------------------------------------
+
+
+class FractionOfRanks(_Model):
+    """At least this fraction of the ranks (rounded up, at least one)."""
+
+    fraction: float = Field(gt=0, le=1)
+    """A number in (0, 1]; 0.5 of 8 ranks means at least 4."""
+
+
+class AtLeastRanks(_Model):
+    """At least this many ranks."""
+
+    at_least: int = Field(ge=1)
+    """A whole number of ranks."""
+
+
+def _scope_input(v: Any) -> Any:
+    if isinstance(v, str) and v not in ("any", "all"):
+        fail(f"unknown rank scope {show(v)}{suggest(v, ('any', 'all'))}; expected 'any', 'all', "
+             "{fraction: 0.5} or {at_least: 2}")
+    if isinstance(v, dict) and len(v) == 1 and next(iter(v)) not in ("fraction", "at_least"):
+        key = next(iter(v))
+        fail(f"unknown rank scope {show(key)}{suggest(key, ('fraction', 'at_least'))}; expected "
+             "'any', 'all', {fraction: 0.5} or {at_least: 2}", key)
+    if not isinstance(v, (str, dict, FractionOfRanks, AtLeastRanks)) or (isinstance(v, dict) and len(v) != 1):
+        fail(f"expected 'any', 'all', {{fraction: 0.5}} or {{at_least: 2}}, got {show(v)}")
+    return v
+
+
+def _scope_kind(v: Any) -> str:
+    if isinstance(v, str):
+        return ":name"
+    if isinstance(v, dict):
+        return ":fraction" if "fraction" in v else ":at_least"
+    return ":fraction" if isinstance(v, FractionOfRanks) else ":at_least"
+
+
+RankScope = Annotated[
+    Union[Annotated[Literal["any", "all"], Tag(":name")], Annotated[FractionOfRanks, Tag(":fraction")],
+          Annotated[AtLeastRanks, Tag(":at_least")]],
+    Discriminator(_scope_kind), BeforeValidator(_scope_input),
+]
+
+# --- recovery -----------------------------------------------------------------------------
+
+
+def _lr_factors(v: Any) -> Any:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        v = [v]
+    if not isinstance(v, list) or not v:
+        fail(f"expected a non-empty list of factors like [0.5, 0.3], got {show(v)}")
+    for i, f in enumerate(v):
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (0 < f <= 1) or not math.isfinite(f):
+            fail(f"each LR factor must be in (0, 1] (it multiplies the learning rate), got {show(f)}", i)
+    return [float(f) for f in v]
+
+
+_FACTOR_SCHEMA = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+LrFactors = Annotated[list[float], BeforeValidator(_lr_factors), WithJsonSchema(
+    {"anyOf": [_FACTOR_SCHEMA, {"type": "array", "items": _FACTOR_SCHEMA, "minItems": 1}]})]
+Attempts = Annotated[int, Field(ge=1)]
+OnExhausted = Annotated[Literal["stop", "hold"], BeforeValidator(
+    lambda v: v if v in ("stop", "hold") else fail(
+        f"unknown value {show(v)}{suggest(v, ('stop', 'hold'))}; expected 'stop' or 'hold'"))]
+
+
+class RecoverySettings(_Model):
+    """What a ``recover`` decision does: kill, roll back, cut the LR, reset, probation, resume."""
+
+    min_grade: Grade = 4
+    """Roll back to the newest checkpoint whose grade is at least this (written S0…S7)."""
+    min_steps_back: StepCount = 0
+    """The checkpoint must be at least this many steps before the incident."""
+    fallback_on_corrupt: StrictBool = True
+    """When a checkpoint fails its checksum, fall back to the next older one that qualifies."""
+    lr_factors: LrFactors = [0.5]
+    """LR factor per attempt, each in (0, 1]: attempt i uses lr_factors[min(i, len-1)], and the scale compounds across attempts."""
+    reset_optimizer: StrictBool = True
+    """Start the optimizer from fresh state on resume (its moments are often poisoned)."""
+    skip_window: StepCount = 0
+    """Skip the batches of this many steps before the incident on resume (0: skip none)."""
+    probation_steps: StepCount = 1000
+    """Steps after a resume during which any recover decision counts as a failed attempt."""
+    max_attempts: Attempts = 3
+    """Recoveries allowed before the budget is spent."""
+    on_exhausted: OnExhausted = "stop"
+    """When the budget is spent: 'stop' the job and page, or 'hold' (keep it stopped for a human)."""
+
+    def lr_factor(self, attempt: int) -> float:
+        """The factor of attempt ``attempt`` (0-based)."""
+        return self.lr_factors[min(attempt, len(self.lr_factors) - 1)]
+
+    def lr_scale(self, attempts: int) -> float:
+        """The compounded LR scale after ``attempts`` recoveries (1.0 after none)."""
+        return math.prod(self.lr_factor(i) for i in range(attempts))
+
+    def exhausted(self, attempts: int) -> bool:
+        """Whether ``attempts`` recoveries have spent the budget."""
+        return attempts >= self.max_attempts
+
+
+class RecoveryOverrides(_Model):
+    """Per-rule changes to the policy's recovery settings; omitted fields keep the policy's value."""
+
+    min_grade: Optional[Grade] = None
+    """Override of recovery.min_grade."""
+    min_steps_back: Optional[StepCount] = None
+    """Override of recovery.min_steps_back."""
+    fallback_on_corrupt: Optional[StrictBool] = None
+    """Override of recovery.fallback_on_corrupt."""
+    lr_factors: Optional[LrFactors] = None
+    """Override of recovery.lr_factors."""
+    reset_optimizer: Optional[StrictBool] = None
+    """Override of recovery.reset_optimizer."""
+    skip_window: Optional[StepCount] = None
+    """Override of recovery.skip_window."""
+    probation_steps: Optional[StepCount] = None
+    """Override of recovery.probation_steps."""
+    max_attempts: Optional[Attempts] = None
+    """Override of recovery.max_attempts."""
+    on_exhausted: Optional[OnExhausted] = None
+    """Override of recovery.on_exhausted."""
+
+
+# --- rules --------------------------------------------------------------------------------
+
+
+def _layers(v: Any) -> Any:
+    if isinstance(v, str):
+        v = [v]
+    if isinstance(v, list):
+        for i, g in enumerate(v):
+            if not isinstance(g, str) or not g.strip():
+                fail(f"expected a layer name or glob like 'blocks.*.attn', got {show(g)}", i)
+    return v
+
+
+class Rule(_Model):
+    """When a condition holds (long enough, outside warm-in and cooldown), take an action."""
+
+    _hints: ClassVar[dict[str, str]] = {"expr": "when", "alert": "name", "labels": "severity",
+                                        "condition": "when", "if": "when", "then": "action"}
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$", max_length=80)
+    """Unique name of the rule (letters, digits, - _ . :), shown in every decision."""
+    description: str = ""
+    """What the rule is for; shown by `policy explain`."""
+    when: Condition
+    """The condition: a mapping (one test, or all:/any: lists) or a compact string like 'grade < S3'."""
+    layers: Optional[Annotated[list[str], BeforeValidator(_layers, json_schema_input_type=Union[str, list[str]])]] = None
+    """Glob(s) on layer names: each matching layer is tested on its own. Omitted: the rank's summary over all layers (min grade/entropy, max logit)."""
+    ranks: RankScope = "any"
+    """How many ranks must hold the condition: any, all, {fraction: 0.5} or {at_least: 2}."""
+    for_: Optional[DurationOf("samples", "steps", "seconds")] = Field(None, alias="for")  # type: ignore[valid-type]
+    """Persistence: the condition must hold for this long before firing ('2 samples', '20 steps', '30s'). Omitted: fire at once."""
+    cooldown: Optional[DurationOf("steps", "seconds")] = None  # type: ignore[valid-type]
+    """After firing, the rule stays quiet for this long (steps of training seen, or time); it carries across relaunches."""
+    warm_in: Optional[DurationOf("steps")] = None  # type: ignore[valid-type]
+    """No firing before this training step. Omitted: the policy's warm_in for rules on per-layer signals, none otherwise."""
+    action: Action
+    """notify, recover, checkpoint (save one now) or stop."""
+    severity: Severity = None  # type: ignore[assignment]  # filled from the action before validation
+    """info, warn or page. Omitted: warn for notify and recover, info for checkpoint, page for stop."""
+    recovery: Optional[RecoveryOverrides] = None
+    """Overrides of the policy's recovery settings for this rule (action: recover only)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_severity(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "severity" not in data:
+            # an unknown action gets its own error; do not add a second one about severity
+            action = data.get("action")
+            data = {**data, "severity": DEFAULT_SEVERITY.get(action, "warn") if isinstance(action, str) else "warn"}
+        return data
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "Rule":
+        if self.recovery is not None and self.action != "recover":
+            fail(f"'recovery' overrides only apply to action: recover (this rule does {self.action})",
+                 "recovery")
+        if self.layers is not None and not (self.when.signals() & set(LAYER_SIGNALS)):
+            fail("'layers' only applies to per-layer signals (" + ", ".join(LAYER_SIGNALS)
+                 + "); this condition reads none", "layers")
+        if self.for_ is not None and self.when.cadence() <= {"exit", "hang"}:
+            fail("'for' does not apply to crash and hang: they are events, not levels", "for")
+        return self
+
+    @property
+    def uses_layer_signals(self) -> bool:
+        return bool(self.when.signals() & set(LAYER_SIGNALS))
+
+
+# --- notifications ------------------------------------------------------------------------
+
+
+def _url(v: Any) -> Any:
+    if v is not None and (not isinstance(v, str) or not re.match(r"^https?://\S+$", v)):
+        fail(f"expected an http(s) URL, got {show(v)}")
+    return v
+
+
+Url = Annotated[Optional[str], BeforeValidator(_url)]
+Destinations = Annotated[list[Destination], BeforeValidator(
+    lambda v: [v] if isinstance(v, str) else v, json_schema_input_type=Union[Destination, list[Destination]])]
+
+
+class SlackSettings(_Model):
+    """Where Slack messages go. The token never goes here: set SLACK_BOT_TOKEN or SPIKEGUARD_SLACK_WEBHOOK_URL."""
+
+    channel: Optional[str] = Field(None, min_length=1)
+    """Channel name or id such as '#training-alerts'. Omitted: $SPIKEGUARD_SLACK_CHANNEL."""
+    mention: Optional[str] = Field(None, min_length=1)
+    """On-call user or group id (U…/S…) mentioned on page-severity messages."""
+    runbook_url: Url = None
+    """Link to the runbook, added to every message."""
+    dashboard_url: Url = None
+    """Link to the dashboard, added to every message."""
+
+    def resolved_channel(self, environ: Mapping[str, str] = os.environ) -> str | None:
+        return self.channel or environ.get("SPIKEGUARD_SLACK_CHANNEL") or None
+
+
+class Routes(_Model):
+    """Where each severity goes."""
+
+    info: Destinations = ["console"]
+    """Destinations of info messages: a list of console and/or slack."""
+    warn: Destinations = ["console", "slack"]
+    """Destinations of warn messages."""
+    page: Destinations = ["console", "slack"]
+    """Destinations of page messages (Slack ones @-mention slack.mention)."""
+
+
+class NotifySettings(_Model):
+    """Notification routing, in the spirit of Alertmanager routes."""
+
+    slack: SlackSettings = SlackSettings()
+    """Slack channel, on-call mention and links (no secrets)."""
+    routes: Routes = Routes()
+    """Which destinations each severity goes to."""
+    repeat_interval: Optional[DurationOf("seconds")] = Field("4h", validate_default=True)  # type: ignore[valid-type]
+    """Repeat a still-firing notification this often ('4h'); null never repeats."""
+    send_resolved: StrictBool = True
+    """Send a message when a notify rule's condition clears."""
+
+    def destinations(self, severity: str) -> list[str]:
+        return list(getattr(self.routes, severity))
+
+
+# --- the policy ---------------------------------------------------------------------------
+
+
+class Policy(_Model):
+    """A spikeguard policy: rules over the per-rank report stream, and what recovery means."""
+
+    version: Literal[1]
+    """Format version; always 1."""
+    name: str = Field(min_length=1)
+    """Name of the policy, shown in decisions and `policy explain`."""
+    description: str = ""
+    """What the policy is for, what it catches and what it costs."""
+    warm_in: DurationOf("steps") = Field("300 steps", validate_default=True)  # type: ignore[valid-type]
+    """Rules on per-layer signals (grade, entropy, logits, …) stay quiet before this training step: the grade swings early in healthy runs."""
+    rules: list[Rule]
+    """The rules, evaluated in order on every message."""
+    recovery: RecoverySettings = RecoverySettings()
+    """What recover decisions do (rules may override parts)."""
+    notify: NotifySettings = NotifySettings()
+    """Where notifications go."""
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version(cls, v: Any) -> Any:
+        if v != 1 or isinstance(v, bool):
+            fail(f"unsupported version {show(v)}: this spikeguard reads 'version: 1'")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_secrets(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            found = find_secret(data)
+            if found:
+                fail(found[1], found[0], key=found[1].startswith("key "))
+        return data
+
+    @model_validator(mode="after")
+    def _rules(self) -> "Policy":
+        if not self.rules:
+            fail("a policy needs at least one rule", "rules")
+        seen: dict[str, int] = {}
+        for i, rule in enumerate(self.rules):
+            if rule.name in seen:
+                fail(f"duplicate rule name {rule.name!r} (also rules[{seen[rule.name]}])", ("rules", i, "name"))
+            seen[rule.name] = i
+        return self
+
+    def recovery_for(self, rule: Rule) -> RecoverySettings:
+        """The recovery settings with ``rule``'s overrides applied."""
+        if rule.recovery is None:
+            return self.recovery
+        return self.recovery.model_copy(update=rule.recovery.model_dump(exclude_none=True))

@@ -1,0 +1,248 @@
+"""Small value types of the policy language: grades, durations, signal names, choices.
+
+Every validator here raises :func:`fail`, a ``PydanticCustomError`` whose message is already
+the final human sentence; the loader adds the file position and the field path in front.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+from typing import Any, Literal, NoReturn
+
+from pydantic import BeforeValidator, PlainSerializer, PlainValidator, WithJsonSchema
+from pydantic_core import PydanticCustomError
+from typing_extensions import Annotated
+
+# --- signals ------------------------------------------------------------------------------
+
+LAYER_SIGNALS = (
+    "erank_ratio", "grade", "attn_entropy_mean", "attn_entropy_min",
+    "attn_entropy_min_norm", "max_logit", "logz_mean", "logz_max",
+)
+"""Per-layer signals of a sampled ``report`` (mirrors ``workers.contract.SIGNALS``)."""
+STEP_SIGNALS = ("loss", "grad_norm", "lr")
+"""Per-rank signals of every ``heartbeat`` (and of every ``report``)."""
+SIGNALS = LAYER_SIGNALS + STEP_SIGNALS
+
+AGGREGATE = {s: ("max" if s == "max_logit" or s.startswith("logz") else "min") for s in LAYER_SIGNALS}
+"""How the rank's ``summary`` aggregates a layer signal over layers (per the contract)."""
+
+
+def fail(msg: str, at: str | int | tuple = (), *, key: bool = False) -> NoReturn:
+    """Raise a validation error whose message is ``msg``.
+
+    ``at`` names a key (or path) below the current location; ``key=True`` points the error at
+    the key itself rather than its value (unknown fields)."""
+    if not isinstance(at, tuple):
+        at = (at,)
+    raise PydanticCustomError("policy", "{msg}", {"msg": msg, "at": at, "key": key})
+
+
+def show(v: Any) -> str:
+    """A value as the user wrote it in YAML."""
+    if v is True or v is False:
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, str):
+        return repr(v) if len(v) <= 60 else repr(v[:57] + "...")
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (list, tuple)):
+        return "a list"
+    if isinstance(v, dict):
+        return "a mapping"
+    return str(v)
+
+
+def suggest(word: Any, choices: Any) -> str:
+    """`` (did you mean 'x'?)`` for the closest choice, or an empty string."""
+    if not isinstance(word, str):
+        return ""
+    close = difflib.get_close_matches(word, [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def one_of(values: tuple[str, ...]) -> str:
+    quoted = [repr(v) for v in values]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+def Choice(values: tuple[str, ...], what: str) -> Any:
+    """A ``Literal`` of ``values`` whose error names the closest valid value."""
+
+    def check(v: Any) -> Any:
+        if isinstance(v, str) and v in values:
+            return v
+        if not isinstance(v, str):
+            fail(f"expected a {what} ({one_of(values)}), got {show(v)}")
+        hint = suggest(v, values)
+        fail(f"unknown {what} {show(v)}{hint}" + ("" if hint else f"; expected {one_of(values)}"))
+
+    return Annotated[Literal[values], BeforeValidator(check)]  # type: ignore[valid-type]
+
+
+Signal = Choice(SIGNALS, "signal")
+Action = Choice(("notify", "recover", "checkpoint", "stop"), "action")
+Severity = Choice(("info", "warn", "page"), "severity")
+Destination = Choice(("console", "slack"), "destination")
+
+
+def _strict_bool(v: Any) -> bool:
+    if v is True or v is False:
+        return v
+    if isinstance(v, str) and v.lower() in ("yes", "no", "on", "off", "y", "n"):
+        fail(f"expected true or false, got {show(v)} (YAML 1.1 spellings like yes/no/on/off are"
+             " plain strings in a policy)")
+    fail(f"expected true or false, got {show(v)}")
+
+
+StrictBool = Annotated[bool, PlainValidator(_strict_bool), WithJsonSchema({"type": "boolean"})]
+
+# --- grades -------------------------------------------------------------------------------
+
+GRADE_PATTERN = r"^S[0-7]$"
+
+
+def parse_grade(v: Any) -> int:
+    """``"S3"`` -> 3; an integer 0..7 is accepted as is (S7 is healthy, S0 the worst)."""
+    if isinstance(v, bool):
+        fail(f"expected a grade S0…S7, got {show(v)}")
+    if isinstance(v, int) and 0 <= v <= 7:
+        return v
+    if isinstance(v, str) and re.fullmatch(r"[Ss]\d+", v.strip()):
+        n = int(v.strip()[1:])
+        if n <= 7:
+            return n
+    fail(f"expected a grade S0…S7 (S7 is healthy), got {show(v)}")
+
+
+def format_grade(g: float) -> str:
+    return f"S{int(g)}" if float(g).is_integer() else f"{g:g}"
+
+
+Grade = Annotated[int, PlainValidator(parse_grade), WithJsonSchema(
+    {"anyOf": [{"type": "string", "pattern": GRADE_PATTERN},
+               {"type": "integer", "minimum": 0, "maximum": 7}]})]
+
+# --- durations ----------------------------------------------------------------------------
+
+Unit = Literal["steps", "samples", "seconds"]
+_COUNT_RE = re.compile(r"^\s*(\d+)\s*(steps?|samples?)\s*$")
+_TIME_RE = re.compile(r"^\s*(?=\d)(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+(?:\.\d+)?)s)?\s*$")
+_TIME_PATTERN = r"^(\d+h)?(\d+m)?(\d+(\.\d+)?s)?$"
+_COUNT_PATTERN = {"steps": r"^\d+ ?steps?$", "samples": r"^\d+ ?samples?$"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Duration:
+    """A span written ``200 steps``, ``5 samples``, ``30s``, ``10m`` or ``1h30m``."""
+
+    value: float
+    unit: Unit
+
+    def __str__(self) -> str:
+        if self.unit != "seconds":
+            n = int(self.value)
+            return f"{n} {self.unit[:-1] if n == 1 else self.unit}"
+        s = self.value
+        h, rest = divmod(s, 3600)
+        m, sec = divmod(rest, 60)
+        out = (f"{int(h)}h" if h else "") + (f"{int(m)}m" if m else "")
+        if sec or not out:
+            out += f"{sec:g}s"
+        return out
+
+
+def parse_duration(v: Any, units: tuple[str, ...]) -> Duration:
+    if isinstance(v, Duration):
+        d = v
+    elif isinstance(v, str) and (m := _COUNT_RE.match(v)):
+        unit = m.group(2) if m.group(2).endswith("s") else m.group(2) + "s"
+        d = Duration(int(m.group(1)), unit)  # type: ignore[arg-type]
+    elif isinstance(v, str) and v.strip() and (m := _TIME_RE.match(v)):
+        h, mi, s = m.groups()
+        d = Duration(int(h or 0) * 3600 + int(mi or 0) * 60 + float(s or 0), "seconds")
+    else:
+        fail(f"expected a duration like {_examples(units)}, got {show(v)}"
+             + (" (a bare number is ambiguous: add a unit)" if isinstance(v, (int, float))
+                and not isinstance(v, bool) else ""))
+    if d.unit not in units:
+        fail(f"{str(d)!r} is measured in {d.unit}; here write {_examples(units)}")
+    return d
+
+
+def _examples(units: tuple[str, ...]) -> str:
+    ex = {"steps": "'200 steps'", "samples": "'5 samples'", "seconds": "'30s' or '10m'"}
+    return " or ".join(ex[u] for u in units)
+
+
+def DurationOf(*units: str) -> Any:
+    """A :class:`Duration` field that accepts only the given units."""
+    patterns = [{"type": "string", "pattern": _COUNT_PATTERN[u] if u != "seconds" else _TIME_PATTERN}
+                for u in units]
+    return Annotated[
+        Duration,
+        PlainValidator(lambda v: parse_duration(v, units)),
+        PlainSerializer(str, return_type=str),
+        WithJsonSchema(patterns[0] if len(patterns) == 1 else {"anyOf": patterns}),
+    ]
+
+
+def _step_count(v: Any) -> int:
+    if isinstance(v, int) and not isinstance(v, bool):
+        if v < 0:
+            fail(f"must be 0 or more steps, got {v}")
+        return v
+    if isinstance(v, str) and (m := _COUNT_RE.match(v)) and m.group(2).startswith("step"):
+        return int(m.group(1))
+    fail(f"expected a number of steps like 200 or '200 steps', got {show(v)}")
+
+
+StepCount = Annotated[int, PlainValidator(_step_count), WithJsonSchema(
+    {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": _COUNT_PATTERN["steps"]}]})]
+
+# --- numbers ------------------------------------------------------------------------------
+
+
+def finite(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        fail(f"expected a number, got {show(v)}")
+    if not math.isfinite(v):
+        fail(f"expected a finite number, got {show(v)}")
+    return float(v)
+
+
+# --- secrets ------------------------------------------------------------------------------
+
+_SECRET_KEY = re.compile(r"token|secret|webhook|passw(or)?d|api[_-]?key|credential", re.I)
+_SLACK_TOKEN = re.compile(r"xox[abpr]-")
+_SLACK_HOOK = re.compile(r"hooks\.slack\.com/", re.I)
+_ENV_ADVICE = ("secrets never go in a policy file: set SLACK_BOT_TOKEN (bot token) or "
+               "SPIKEGUARD_SLACK_WEBHOOK_URL (incoming webhook) in the environment instead")
+
+
+def secret_problem(key: Any, value: Any) -> str | None:
+    """Why the pair ``key: value`` looks like a secret, or None."""
+    if isinstance(key, str) and _SECRET_KEY.search(key):
+        return f"key {key!r} looks like a secret: {_ENV_ADVICE}"
+    if isinstance(value, str) and _SLACK_TOKEN.search(value):
+        return f"this value looks like a Slack token: {_ENV_ADVICE}"
+    if isinstance(value, str) and _SLACK_HOOK.search(value):
+        return f"this value looks like a Slack webhook URL: {_ENV_ADVICE}"
+    return None
+
+
+def find_secret(data: Any, path: tuple = ()) -> tuple[tuple, str] | None:
+    """The path and reason of the first secret-looking key or value in plain data."""
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for k, v in items:
+        problem = secret_problem(k if isinstance(data, dict) else None, v)
+        if problem:
+            return path + (k,), problem
+        found = find_secret(v, path + (k,))
+        if found:
+            return found
+    return None
