@@ -132,8 +132,9 @@ class Controller:
                                    settings=rc.Settings.from_policy(d.recovery), details=details))
         elif d.action == "stop":
             self._apply(rc.StopRequested(f"policy rule {d.rule}: {d.reason}"))
-        else:  # notify / checkpoint: journaled as an alert, routed by the notifiers
-            self._event({"kind": "alert", "reason": d.reason, "incident": None, **details})
+        else:  # notify / checkpoint (no rank-side request channel yet): an alert for the notifiers
+            resolved = bool(getattr(d, "resolved", False))
+            self._event({"kind": "alert", "reason": d.reason, "incident": None, "resolved": resolved, **details})
 
     def _context(self) -> dict[str, list[Any]]:
         hist = [h for h in self.collector.history if h["rank"] == 0] or list(self.collector.history)
