@@ -11,7 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .runner import EXIT_BAD_INPUT
+from spikeguard.policies import commands as policy_commands
+
+from . import slack_cmd
+EXIT_BAD_INPUT = 2
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -128,11 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--policy", default="default")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_demo)
-    for mod in ("spikeguard.policies.commands", "spikeguard.supervisor.slack_cmd"):
-        try:
-            __import__(mod, fromlist=["register"]).register(sub)
-        except ImportError:
-            pass
+    policy_commands.register(sub)
+    slack_cmd.register(sub)
     return p
 
 

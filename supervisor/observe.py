@@ -47,8 +47,8 @@ def plot_run(run_dir: str | Path, *, rank: int = 0) -> Path:
         if ev["kind"] == "incident" and isinstance(ev.get("step"), int):
             for ax in axes:
                 ax.axvline(ev["step"], color="red", ls="--", lw=1)
-            axes[0].annotate(f"{ev.get('incident')}: {ev.get('rule')}", (ev["step"], 1.0),
-                             xycoords=("data", "axes fraction"), color="red", fontsize=8, va="top")
+            axes[0].annotate(f" {ev.get('rule')}", (ev["step"], 0.98), xycoords=("data", "axes fraction"),
+                             color="red", fontsize=7, va="top", rotation=90)
         if ev["kind"] == "rollback" and isinstance(ev.get("checkpoint_step"), int):
             for ax in axes:
                 ax.axvline(ev["checkpoint_step"], color="green", ls=":", lw=1)
