@@ -2,6 +2,8 @@
 recovered by the default policy — then the story, from the journal."""
 from __future__ import annotations
 
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -17,6 +19,13 @@ def run_demo(*, run_dir: str | None = None, steps: int | None = None, workers: i
     from .runner import run_job
 
     run_path = Path(run_dir or tempfile.mkdtemp(prefix="spikeguard-demo-")).resolve()
+    if run_path.exists() and any(run_path.iterdir()):
+        events = read_events(run_path)
+        if not events or events[0].get("run") != "demo":
+            print(f"spikeguard demo: {run_path} is not empty and holds no earlier demo; "
+                  "choose another --run-dir", file=sys.stderr)
+            return 2
+        shutil.rmtree(run_path)  # an earlier demo: start over
     args = ["--seed", str(seed), "--ckpt-every", "50", "--sample-every", "25", "--log-every", "250"]
     if steps:
         args += ["--steps", str(steps)]
