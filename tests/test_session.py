@@ -32,23 +32,24 @@ def train_step(model, opt, sg, step, lr=1e-2):
     return loss
 
 
-def test_full_bounded_queue_never_blocks_step(tmp_path):
-    """An agent that accepts the connection but never reads: sends must not block, drops are counted."""
+def test_full_bounded_queue_never_blocks_step(tmp_path, monkeypatch):
+    """An agent that accepts the connection but never reads: step() must not block; drops are counted."""
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     path = str(tmp_path / "s.sock")
     srv.bind(path)
     srv.listen(1)
     conns = []
     threading.Thread(target=lambda: conns.append(srv.accept()), daemon=True).start()
-    ch = SocketChannel(f"unix://{path}", maxsize=8)
-    big = {"type": "report", "pad": "x" * 200_000}
+    monkeypatch.setenv(contract.ENV_REPORT, f"unix://{path}")
+    sg = sgw.attach(tiny(), sample_every=10**9, queue_size=8)
+    assert isinstance(sg.channel, SocketChannel)
     worst = 0.0
-    for _ in range(300):
+    for s in range(300):
         t0 = time.perf_counter()
-        ch.send(big)
+        sg.step(step=s, loss=1.0, extra={"pad": "x" * 100_000})  # fills the socket buffer fast
         worst = max(worst, time.perf_counter() - t0)
-    assert ch.dropped > 0  # back-pressure was real: the socket buffer filled and the queue overflowed
-    assert worst < 0.5  # generous: a blocking send would hang forever here
+    assert sg.channel.dropped > 0  # back-pressure was real: the socket filled and the queue overflowed
+    assert worst < 0.5  # generous: a blocking send would hang here for good
     srv.close()
 
 
