@@ -1,6 +1,6 @@
 """`policy replay` of the default policy over a recorded supervised demo run names the steps the
 live supervisor acted on (tests/data/demo_run: reports.jsonl and journal.jsonl of
-`spikeguard demo`, 2 ranks, recorded 2026-11-30)."""
+`spikeguard demo`, 2 ranks, recorded 2026-11-30). Re-record both if the default policy changes."""
 from __future__ import annotations
 
 import gzip
@@ -20,3 +20,14 @@ def test_replay_reproduces_the_live_recoveries():
     replayed = [(d.step, d.rule, d.rank) for d in replay(load_policy("default"), messages)
                 if d.action == "recover"]
     assert live and replayed == live
+
+
+def test_replay_over_a_recorded_stable_supervised_run_fires_nothing():
+    """tests/data/stable_run: the same example with --stable (LR x0.1) under `spikeguard submit`."""
+    stable = Path(__file__).parent / "data" / "stable_run"
+    with gzip.open(stable / "reports.jsonl.gz", "rt") as f:
+        messages = [json.loads(line) for line in f]
+    assert {m["rank"] for m in messages} == {0, 1} and max(m["step"] for m in messages) >= 1599
+    journal = [json.loads(line) for line in (stable / "journal.jsonl").read_text().splitlines()]
+    assert [e["kind"] for e in journal] == ["launch", "completed"]
+    assert replay(load_policy("default"), messages) == []
