@@ -26,6 +26,7 @@ KINDS = (
     "launch", "incident", "kill", "rollback", "lr_cut", "optimizer_reset", "probation_start",
     "probation_progress", "probation_passed", "probation_failed", "escalated", "completed", "failed",
     "stopped", "alert", "supervisor_start", "notify_thread", "notify_undelivered",
+    "launch_failed", "resume", "reaped",
 )
 
 
