@@ -19,6 +19,7 @@ from typing import Any
 
 MAX_BUFFERED_LINES = 20000
 MAX_LINE_BYTES = 1 << 20
+LOG_TAIL_BYTES = 4096
 
 
 class RankAgent:
@@ -29,8 +30,11 @@ class RankAgent:
         self._lock = threading.Lock()
         self._lines: list[bytes] = []
         self._overflow = 0
+        self._oversize = 0
         self._last_rx = time.monotonic()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log_path: str | None = None
+        self._log_tail: str | None = None
         self._generation = -1
         self._sockdir = tempfile.mkdtemp(prefix="sg-")
         self._server: socket.socket | None = None
@@ -70,6 +74,7 @@ class RankAgent:
 
     def _read(self, conn: socket.socket) -> None:
         buf = b""
+        skipping = False  # inside a line longer than MAX_LINE_BYTES: discard up to its newline
         with conn:
             while True:
                 try:
@@ -80,10 +85,18 @@ class RankAgent:
                     return
                 buf += chunk
                 *lines, buf = buf.split(b"\n")
+                oversize = 0
+                if skipping and lines:
+                    lines, skipping = lines[1:], False  # the tail of the oversize line
+                big = [ln for ln in lines if len(ln) > MAX_LINE_BYTES]
+                if big:
+                    lines = [ln for ln in lines if len(ln) <= MAX_LINE_BYTES]
+                    oversize += len(big)
                 if len(buf) > MAX_LINE_BYTES:  # a line without end: drop it rather than grow forever
-                    buf = b""
+                    buf, oversize, skipping = b"", oversize + (0 if skipping else 1), True
                 with self._lock:
                     self._last_rx = time.monotonic()
+                    self._oversize += oversize
                     room = MAX_BUFFERED_LINES - len(self._lines)
                     self._lines.extend(lines[:max(room, 0)])
                     self._overflow += max(len(lines) - max(room, 0), 0)
@@ -107,42 +120,68 @@ class RankAgent:
         if self._log is not None:
             self._log.close()
         self._log = open(log_path, "ab")
+        self._log_path, self._log_tail = log_path, None
         self._generation = generation
         self._proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True)
         return {"pid": self._proc.pid, "report": f"unix://{sock}", "generation": generation}
 
     def poll(self) -> dict[str, Any]:
-        """Drain buffered report lines; exit code if the process ended; seconds since the last line."""
+        """Drain buffered report lines; exit code (and the log's tail) if the process ended."""
         with self._lock:
             lines, self._lines = self._lines, []
             overflow, self._overflow = self._overflow, 0
+            oversize, self._oversize = self._oversize, 0
             age = time.monotonic() - self._last_rx
         code = None if self._proc is None else self._proc.poll()
-        return {"rank": self.rank, "generation": self._generation, "lines": lines, "overflow": overflow,
-                "exit": code, "rx_age_s": age, "pid": None if self._proc is None else self._proc.pid}
+        out = {"rank": self.rank, "generation": self._generation, "lines": lines, "overflow": overflow,
+               "oversize": oversize, "exit": code, "rx_age_s": age,
+               "pid": None if self._proc is None else self._proc.pid}
+        if code is not None:
+            out["log_tail"] = self._tail()
+        return out
 
-    def kill(self, grace_s: float = 0.0) -> float:
+    def _tail(self) -> str:
+        """The last few KiB of this generation's log (read once, after the process ended)."""
+        if self._log_tail is None and self._log_path:
+            try:
+                if self._log is not None:
+                    self._log.flush()
+                with open(self._log_path, "rb") as f:
+                    f.seek(0, os.SEEK_END)
+                    f.seek(max(f.tell() - LOG_TAIL_BYTES, 0))
+                    self._log_tail = f.read().decode("utf-8", "replace")
+            except OSError as e:
+                self._log_tail = f"(log {self._log_path} unreadable: {e})"
+        return self._log_tail or ""
+
+    def kill(self, grace_s: float = 0.0) -> dict[str, Any]:
         """SIGKILL the rank's whole process group (after SIGTERM and ``grace_s`` if > 0).
 
-        Works while the rank is hung inside a collective. Returns the seconds it took.
+        Works while the rank is hung inside a collective or stopped (SIGSTOP). Returns
+        ``duration_s``, ``forced`` (SIGTERM was sent and ignored for the whole grace period)
+        and ``alive`` (still there after SIGKILL + 10 s: unkillable, e.g. stuck in the kernel).
         """
         t0 = time.monotonic()
         p = self._proc
+        out = {"rank": self.rank, "duration_s": 0.0, "forced": False, "alive": False,
+               "pid": None if p is None else p.pid}
         if p is None or p.poll() is not None:
-            return 0.0
+            return out
         if grace_s > 0:
             _signal_group(p.pid, signal.SIGTERM)
+            _signal_group(p.pid, signal.SIGCONT)  # a stopped process can only handle SIGTERM once running
             try:
                 p.wait(grace_s)
             except subprocess.TimeoutExpired:
-                pass
-        _signal_group(p.pid, signal.SIGKILL)
+                out["forced"] = True
+        _signal_group(p.pid, signal.SIGKILL)  # also any child left in the group after the leader exited
         try:
             p.wait(10.0)
         except subprocess.TimeoutExpired:
-            pass
-        return time.monotonic() - t0
+            out["alive"] = True
+        out["duration_s"] = time.monotonic() - t0
+        return out
 
     def ping(self) -> int:
         return self.rank

@@ -20,6 +20,10 @@ _STORY = {
     "failed": "FAILED — {reason}",
     "stopped": "stopped — {reason}",
     "alert": "[{severity}] {rule} rank {rank} {layer} step {step}: {reason}",
+    "launch_failed": "launch of generation {generation} FAILED — {reason}",
+    "resume": "supervisor restarted — {reason}",
+    "reaped": "killed leftover rank processes — {reason}",
+    "supervisor_start": "supervisor started — {reason}",
 }
 
 

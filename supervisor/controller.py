@@ -5,12 +5,16 @@ accepted message to the policy engine, turn decisions into observations for
 the pure recovery machine (:mod:`.recovery`), journal what the machine says
 and carry out the effects it asks for (kill, choose a checkpoint, launch,
 shut down). Every side effect lives here or below (workers, journal,
-notifiers); every decision lives in the engine or the machine.
+notifiers, reaper); every decision lives in the engine or the machine.
+
+Timeouts use monotonic clocks only (the journal's ``mono``); a wall-clock jump
+cannot fire a hang.
 """
 from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -18,7 +22,9 @@ from typing import Any, Callable, Protocol
 from spikeguard.workers import checkpoint as ckpt
 
 from . import recovery as rc
+from . import reaper, rundir
 from .collector import Collector, is_finite
+from .errors import LaunchError
 from .journal import Journal
 
 
@@ -26,7 +32,7 @@ class Group(Protocol):
     def launch(self, *, generation: int, cmd: list[str], env: dict[str, str], plan_path: str | None,
                fence_file: str, ckpt_dir: str) -> list[dict[str, Any]]: ...
     def poll(self) -> list[dict[str, Any]]: ...
-    def kill(self, grace_s: float = 0.0) -> float: ...
+    def kill(self, grace_s: float = 0.0) -> dict[str, Any] | float: ...
 
 
 class Notifier(Protocol):
@@ -39,7 +45,10 @@ class Controller:
     def __init__(self, *, run_dir: str, run_id: str, group: Group, engine: Any, cmd: list[str],
                  env: dict[str, str], world_size: int, hang_timeout_s: float, first_heartbeat_timeout_s: float,
                  kill_grace_s: float = 0.0, notifiers: list[Notifier] | None = None,
-                 poll_interval_s: float = 0.25, on_tick: Callable[["Controller"], None] | None = None) -> None:
+                 poll_interval_s: float = 0.25, on_tick: Callable[["Controller"], None] | None = None,
+                 backoff_base_s: float = 0.0, backoff_max_s: float = 60.0, launch_retries: int = 3,
+                 reap_interval_s: float = 30.0, default_settings: rc.Settings | None = None,
+                 remote_reap: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -55,21 +64,46 @@ class Controller:
         self.notifiers = list(notifiers or [])
         self.poll_interval_s = poll_interval_s
         self.on_tick = on_tick
+        self.backoff_base_s, self.backoff_max_s = backoff_base_s, backoff_max_s
+        self.launch_retries = launch_retries
+        self.reap_interval_s = reap_interval_s
+        self.remote_reap = remote_reap
+        self.default_settings = default_settings or rc.Settings()
         self.state = rc.State()
         self.lineage: list[tuple[int, int | None]] = []
         """(generation, step it branched from) for every launch; checkpoints off this path are ignored."""
         self._reports = open(self.run_dir / "reports.jsonl", "ab")
-        self._pending_details: dict[str, Any] = {}
+        self._last_reap = self.journal.mono()
 
     # -- the loop -------------------------------------------------------------------------------
-    def run(self) -> int:
+    def run(self, resume_events: list[dict[str, Any]] | None = None) -> int:
+        """Run to the end. ``resume_events``: the journal of a run a dead supervisor left unfinished."""
         self._write_status()
-        self._launch(rc.ResumePlan(generation=1), initial=True)
+        if resume_events:
+            self.restart(resume_events)
+        else:
+            self._apply(rc.Start())
         while self.state.phase not in rc.TERMINAL:
             self.step()
             time.sleep(self.poll_interval_s)
         self._write_status()
         return self.state.exit_code or 0
+
+    def restart(self, events: list[dict[str, Any]]) -> None:
+        """Take over from a dead supervisor: state from the journal, fence, reap survivors, go on."""
+        self.state = rc.fold(events)
+        self.lineage = rc.lineage(events)
+        st = self.state
+        self._event({"kind": "supervisor_start", "incident": st.incident.id if st.incident else None,
+                     "reason": f"restarted on an unfinished journal: phase {st.phase.value}, generation "
+                               f"{st.generation}, LR scale {st.lr_scale:.4g}, "
+                               f"{st.incident.id if st.incident else 'no open incident'}",
+                     "resumed": True, "phase": st.phase.value, "generation": st.generation,
+                     "pid": os.getpid(), "host": socket.gethostname()})
+        nxt = max(rc.next_generation(st), rundir.highest_generation(self.run_dir) + 1)
+        self._write_fence(nxt)  # before anything else: survivors may no longer publish checkpoints
+        self._reap(nxt, "ranks left by the previous supervisor")
+        self._apply(rc.Restarted(self.default_settings, rundir.highest_generation(self.run_dir)))
 
     def step(self) -> rc.State:
         """One pass: poll ranks, evaluate, transition. Returns the (new) state."""
@@ -83,14 +117,19 @@ class Controller:
                     msg = self.collector.ingest(res["rank"], line, now)
                     if msg is not None:
                         self._feed(msg)
-                if res.get("overflow"):
-                    self.collector.dropped["agent_overflow"] += res["overflow"]
+                for k, why in (("overflow", "agent_overflow"), ("oversize", "oversize")):
+                    if res.get(k):
+                        self.collector.dropped[why] += res[k]
                 if res["exit"] is not None:
                     msg = self.collector.exit(res["rank"], res["exit"], res.get("generation"), now)
                     if msg is not None:
+                        msg.update({k: res[k] for k in ("lost", "log_tail", "host") if res.get(k)})
                         self._feed(msg)
             for msg in self.collector.check_hangs(now):
                 self._feed(msg)
+            if now - self._last_reap >= self.reap_interval_s and self.state.phase in (rc.Phase.RUNNING,
+                                                                                       rc.Phase.PROBATION):
+                self._reap(self.state.generation, "rank processes of replaced generations, now reachable")
         if self.state.phase is rc.Phase.PROBATION and (s := self.collector.min_step()) is not None:
             self._apply(rc.Progress(s))
         if self.state.phase in (rc.Phase.RUNNING, rc.Phase.PROBATION) and self.collector.all_finished():
@@ -102,11 +141,16 @@ class Controller:
 
     # -- messages -> decisions -> observations --------------------------------------------------
     def _feed(self, msg: dict[str, Any]) -> None:
-        if self.collector.generation is None:
-            return  # fenced while handling an earlier message of this poll
         gen = self.collector.generation
-        self._reports.write((json.dumps(msg, separators=(",", ":")) + "\n").encode())
-        self._reports.flush()
+        if gen is None or msg.get("gen") != gen:
+            return  # fenced (or replaced) while handling an earlier message of this poll
+        if msg["type"] in ("exit", "hang") and msg["step"] == -1:
+            if msg["type"] == "exit" and msg["code"] != 0:  # died before its first heartbeat
+                self._write_report(msg)
+                self._launch_failed(msg)
+                return
+            msg["step"] = rc.start_step(self.state.plan)  # the step this generation was to begin with
+        self._write_report(msg)
         for d in self.engine.observe(msg):
             self._decide(d, msg)
             if self.collector.generation != gen:
@@ -114,7 +158,20 @@ class Controller:
         if msg["type"] == "exit" and msg["code"] != 0:
             # a dead rank breaks the gang; without a rule that recovers it, the job has failed
             self._apply(rc.Failed(f"rank {msg['rank']} exited with code {msg['code']} and no policy rule "
-                                  "recovers crashes", exit_code=1))
+                                  "recovers crashes", exit_code=1,
+                                  details={"rank": msg["rank"], "rank_exit_code": msg["code"],
+                                           **{k: v for k, v in _exit_details(msg).items() if k != "exit_code"}}))
+
+    def _write_report(self, msg: dict[str, Any]) -> None:
+        self._reports.write((json.dumps(msg, separators=(",", ":")) + "\n").encode())
+        self._reports.flush()
+
+    def _launch_failed(self, msg: dict[str, Any]) -> None:
+        why = f"rank {msg['rank']} exited with code {msg['code']} before its first heartbeat"
+        if msg.get("lost"):
+            why += f" (agent lost: {msg['lost']})"
+        self._apply(rc.LaunchFailed(why, self.launch_retries, rank=msg["rank"], exit_code=msg["code"],
+                                    details={"log_tail": msg.get("log_tail", "")}))
 
     def _decide(self, d: Any, msg: dict[str, Any]) -> None:
         details = {"rule": d.rule, "action": d.action, "severity": d.severity, "signal": d.signal,
@@ -126,6 +183,12 @@ class Controller:
                            grad_norm=_jsonable(view.grad_norm if view else msg.get("grad_norm")),
                            grade=(view.summary.get("grade") if view else None),
                            context=self._context())
+            if msg["type"] == "exit":
+                details.update(_exit_details(msg))
+            elif msg["type"] == "hang":
+                details.update(first_heartbeat=bool(msg.get("first")), heartbeat_age_s=msg.get("age_s"),
+                               timeout_s=(self.collector.first_heartbeat_timeout_s if msg.get("first")
+                                          else self.collector.hang_timeout_s))
             details.pop("rule")
             details.pop("step")
             self._apply(rc.Recover(rule=d.rule, reason=d.reason, step=d.step,
@@ -156,14 +219,19 @@ class Controller:
 
     def _effect(self, eff: rc.Effect) -> rc.Observation | None:
         if isinstance(eff, rc.Kill):
+            if self.collector.generation is not None and hasattr(self.engine, "retire"):
+                self.engine.retire(self.collector.generation)
             self.collector.fence()
-            self._write_fence(self.state.generation + 1)
-            dur = self.group.kill(self.kill_grace_s)
-            return rc.Killed(tuple(range(self.collector.world_size)), dur)
+            self._write_fence(rc.next_generation(self.state))
+            res = self.group.kill(self.kill_grace_s)
+            if not isinstance(res, dict):
+                res = {"duration_s": float(res)}
+            return rc.Killed(tuple(range(self.collector.world_size)), res["duration_s"],
+                             tuple(res.get("forced", ())), tuple(res.get("unreachable", ())))
         if isinstance(eff, rc.SelectCheckpoint):
             return self._select(eff)
         if isinstance(eff, rc.Launch):
-            return self._launch(eff.plan)
+            return self._launch(eff.plan, eff.backoff_attempt)
         if isinstance(eff, rc.Shutdown):
             self.collector.fence()
             return None
@@ -189,29 +257,48 @@ class Controller:
                 limit = min(limit, branched_at)
         return False
 
-    def _launch(self, plan: rc.ResumePlan, initial: bool = False) -> rc.Observation | None:
+    def _launch(self, plan: rc.ResumePlan, backoff_attempt: int = 0) -> rc.Observation | None:
+        delay = rc.backoff_delay(backoff_attempt, self.backoff_base_s, self.backoff_max_s)
+        if delay and self._sleep(delay):
+            return rc.StopRequested(self.stop_file.read_text(errors="replace").strip() or "stop requested")
         gen = plan.generation
+        self._reap(gen, "rank processes that outlived their generation")
         plan_path = None
-        if not initial:
+        if plan != rc.ResumePlan(generation=gen):  # anything but a plain fresh start travels as a plan file
             plan_path = str(self.run_dir / "plans" / f"gen{gen:03d}.json")
-            with open(plan_path, "w", encoding="utf-8") as f:
-                f.write(plan.to_json())
-                f.flush()
-                os.fsync(f.fileno())
+            rundir.write_atomic(Path(plan_path), plan.to_json(), fsync=True)
         self._write_fence(gen)
-        self.group.launch(generation=gen, cmd=self.cmd, env=self.env, plan_path=plan_path,
-                          fence_file=str(self.fence_file), ckpt_dir=str(self.ckpt_dir))
+        try:
+            infos = self.group.launch(generation=gen, cmd=self.cmd, env=self.env, plan_path=plan_path,
+                                      fence_file=str(self.fence_file), ckpt_dir=str(self.ckpt_dir))
+        except LaunchError as e:
+            return rc.LaunchFailed(f"launching generation {gen} failed: {e}", self.launch_retries)
         self.lineage.append((gen, plan.checkpoint_step))
         self.collector.new_generation(gen, self.journal.mono())
-        if initial:
-            self._apply(rc.Launched(gen))
-            return None
-        return rc.Launched(gen)
+        port = infos[0].get("port") if infos and isinstance(infos[0], dict) else None
+        ranks = tuple(i for i in infos if isinstance(i, dict))
+        return rc.Launched(gen, ranks=ranks, port=port, backoff_s=delay)
+
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep on the monotonic clock; True if a stop was requested meanwhile."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if self.stop_file.exists():
+                return True
+            time.sleep(min(left, 0.2))
+        return self.stop_file.exists()
+
+    def _reap(self, below_generation: int, why: str) -> None:
+        self._last_reap = self.journal.mono()
+        found = reaper.reap(str(self.ckpt_dir), below_generation, remote=self.remote_reap)
+        if found:
+            gens = sorted({p["generation"] for p in found})
+            self._event({"kind": "reaped", "incident": self.state.incident.id if self.state.incident else None,
+                         "reason": f"killed {len(found)} {why} (generations {gens}) by pid",
+                         "processes": found})
 
     def _write_fence(self, gen: int) -> None:
-        tmp = self.fence_file.with_suffix(".tmp")
-        tmp.write_text(str(gen))
-        os.replace(tmp, self.fence_file)
+        rundir.write_atomic(self.fence_file, str(gen))
 
     def _event(self, ev: dict[str, Any]) -> None:
         rec = self.journal.record(ev)
@@ -222,22 +309,18 @@ class Controller:
                 print(f"spikeguard: notifier {type(n).__name__} failed: {e}")
 
     def _write_status(self) -> None:
-        st = self.state
-        c = self.collector
-        data = {"phase": st.phase.value, "generation": st.generation, "lr_scale": st.lr_scale,
-                "incident": st.incident.id if st.incident else None, "probation_until": st.probation_until,
-                "exit_code": st.exit_code, "dropped": dict(c.dropped), "rank_dropped": c.rank_dropped,
-                "ranks": {r: {"step": v.step, "loss": _jsonable(v.loss), "grade": v.summary.get("grade"),
-                              "attn_entropy_min": _jsonable(v.summary.get("attn_entropy_min")),
-                              "exit_code": v.exit_code} for r, v in c.ranks.items()},
-                "updated": time.time()}
-        tmp = self.run_dir / "status.json.tmp"
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, self.run_dir / "status.json")
+        rundir.write_status(self.run_dir, rundir.status_dict(self))
 
     def close(self) -> None:
         self._reports.close()
         self.journal.close()
+
+
+def _exit_details(msg: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"exit_code": msg.get("code"), "log_tail": msg.get("log_tail", "")}
+    if msg.get("lost"):
+        out["lost"] = msg["lost"]
+    return out
 
 
 def _jsonable(x: Any) -> Any:

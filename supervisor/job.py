@@ -26,6 +26,17 @@ class Timeouts(_Strict):
     """Allowance for the first message after a launch (imports, data loading, compilation)."""
     kill_grace_s: float = Field(0.0, ge=0)
     """SIGTERM first and wait this long before SIGKILL (0: SIGKILL at once)."""
+    restart_backoff_s: float = Field(2.0, ge=0)
+    """Wait before relaunch attempt n of an incident (and launch retry n): this x 2^(n-1) seconds."""
+    restart_backoff_max_s: float = Field(60.0, ge=0)
+    """Cap of that exponential backoff."""
+    launch_retries: int = Field(3, ge=0)
+    """A rank exiting non-zero before its first heartbeat is a launch failure: relaunched (fresh port, new
+    generation) up to this many times in a row, outside the policy's recovery budget; then the job fails."""
+    agent_timeout_s: float = Field(30.0, gt=0)
+    """A rank agent that does not answer polls for this long is lost (its node froze or was partitioned)."""
+    reap_interval_s: float = Field(30.0, gt=0)
+    """How often rank processes of replaced generations (frozen nodes come back) are looked for and killed."""
 
 
 class RaySettings(_Strict):

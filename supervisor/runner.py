@@ -6,9 +6,12 @@ import os
 import signal
 from typing import Any
 
+from . import recovery as rc
+from . import rundir
 from .console import ConsoleNotifier, LiveView
 from .controller import Controller
 from .job import JobSpec
+from .journal import read_events
 from .workers import GroupSpec, WorkerGroup, python_cmd
 
 EXIT_COMPLETED, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_STOPPED = 0, 1, 2, 3, 5
@@ -25,7 +28,8 @@ def init_ray(job: JobSpec) -> bool:
         ray.init(address=job.ray.address, **kw)
         return False
     need = int(job.workers * max(job.cpus_per_worker, 0) + 0.999)
-    ray.init(num_cpus=job.ray.num_cpus or max(need, os.cpu_count() or 1),
+    # address="local": always a fresh embedded instance, never a cluster that happens to run here
+    ray.init(address="local", num_cpus=job.ray.num_cpus or max(need, os.cpu_count() or 1),
              object_store_memory=job.ray.object_store_mb * 1024 * 1024, **kw)
     return True
 
@@ -52,17 +56,44 @@ def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> l
     return notifiers
 
 
+def finished_outcome(events: list[dict[str, Any]]) -> rc.State | None:
+    """The folded state if the journal ends the run (completed, failed, escalated, stopped), else None."""
+    st = rc.fold(events)
+    return st if st.phase in rc.TERMINAL else None
+
+
 def run_job(job: JobSpec, *, live: bool = True) -> int:
-    """Run ``job`` to its end; returns the process exit code (see the README's table)."""
+    """Run ``job`` to its end; returns the process exit code (see the README's table).
+
+    On a run directory whose journal is unfinished (a supervisor died), resume it: the state is
+    folded from the journal, survivors are fenced and reaped, the Slack threads restored. On a
+    finished one, say so and return its recorded exit code without starting anything.
+    """
     from spikeguard.policies import Engine, load_policy
 
     import ray
 
     policy = load_policy(job.policy)
     run_dir = job.resolved_run_dir()
+    events = read_events(run_dir)
+    done = finished_outcome(events) if events else None
+    if done is not None:
+        last = next((e for e in reversed(events) if e["kind"] in ("completed", "failed", "escalated", "stopped")),
+                    {})
+        print(f"spikeguard: run {job.name} in {run_dir} already finished: {done.phase.value.lower()} "
+              f"(exit code {done.exit_code}) at {last.get('time', '?')}: {last.get('reason', '')}. Nothing to do; "
+              "its journal is final. Use another --run-dir or --name for a new run.", flush=True)
+        return done.exit_code if done.exit_code is not None else EXIT_FAILED
+    try:
+        lock = rundir.acquire_lock(run_dir)
+    except rundir.LockHeld as e:
+        print(f"spikeguard: {e}", flush=True)
+        return EXIT_BAD_INPUT
+    t = job.timeouts
     started = init_ray(job)
     group = WorkerGroup(GroupSpec(world_size=job.workers, cpus_per_worker=job.cpus_per_worker,
-                                  gpus_per_worker=job.gpus_per_worker), run_id=job.name, run_dir=str(run_dir))
+                                  gpus_per_worker=job.gpus_per_worker, agent_timeout_s=t.agent_timeout_s),
+                        run_id=job.name, run_dir=str(run_dir))
     env = {k: str(v) for k, v in job.env.items()}
     env["SPIKEGUARD_BACKEND"] = job.resolved_backend()
     if job.checkpoint_every:
@@ -71,18 +102,26 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         env["SPIKEGUARD_SAMPLE_EVERY"] = str(job.sample_every)
     ctl: Controller | None = None
     old_term = signal.getsignal(signal.SIGTERM)
-    try:
-        group.start()
+    try:  # the first launch places the gang (a placement failure is a launch failure, retried)
         ctl = Controller(run_dir=str(run_dir), run_id=job.name, group=group, engine=Engine(policy),
                          cmd=python_cmd(job.entrypoint, list(job.args)), env=env, world_size=job.workers,
-                         hang_timeout_s=job.timeouts.heartbeat_s,
-                         first_heartbeat_timeout_s=job.timeouts.first_heartbeat_s,
-                         kill_grace_s=job.timeouts.kill_grace_s,
+                         hang_timeout_s=t.heartbeat_s, first_heartbeat_timeout_s=t.first_heartbeat_s,
+                         kill_grace_s=t.kill_grace_s, backoff_base_s=t.restart_backoff_s,
+                         backoff_max_s=t.restart_backoff_max_s, launch_retries=t.launch_retries,
+                         reap_interval_s=t.reap_interval_s,
+                         default_settings=rc.Settings.from_policy(policy.recovery),
                          on_tick=LiveView() if live else None)
-        ctl.notifiers = make_notifiers(job, policy, job.name, ctl.journal.record)
+        notifiers = make_notifiers(job, policy, job.name, ctl.journal.record)
+        for n in notifiers if events else ():
+            restore = getattr(n, "restore", None)
+            if restore:  # the Slack threads of open incidents continue where the dead supervisor left them
+                restore(events)
+        ctl.notifiers = notifiers
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-        print(f"spikeguard: run {job.name} in {run_dir} ({job.workers} ranks, policy {job.policy})", flush=True)
-        return ctl.run()
+        what = "resuming" if events else "running"
+        print(f"spikeguard: {what} run {job.name} in {run_dir} ({job.workers} ranks, policy {job.policy})",
+              flush=True)
+        return ctl.run(resume_events=events or None)
     except KeyboardInterrupt:
         if ctl is not None:
             ctl.stop_file.write_text("interrupted (Ctrl-C / SIGTERM)")
@@ -99,3 +138,4 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         group.shutdown()
         if started:
             ray.shutdown()
+        lock.close()

@@ -3,7 +3,9 @@
 All ranks are placed together with a placement group (all bundles or none),
 so a job never half-starts. Each launch is a new *generation* with a fresh
 ``MASTER_PORT``; the agents stay up across generations (a relaunch takes
-seconds), only the training processes are replaced.
+seconds), only the training processes are replaced. When an agent is lost
+(its node removed, dead or frozen), the next launch rebuilds the whole group:
+a new placement group and new agents, on the nodes that are alive then.
 """
 from __future__ import annotations
 
@@ -14,13 +16,16 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from spikeguard.workers import contract
 
 from .agent import RankAgent
+from .errors import LaunchError
+
+__all__ = ["GroupSpec", "LaunchError", "WorkerGroup", "python_cmd"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,10 +40,8 @@ class GroupSpec:
     """Placement group strategy (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)."""
     placement_timeout_s: float = 120.0
     """How long to wait for the gang to be placed before failing the launch."""
-
-
-class LaunchError(RuntimeError):
-    pass
+    agent_timeout_s: float = 30.0
+    """An agent that has not answered a poll for this long is lost (its node is frozen or gone)."""
 
 
 class WorkerGroup:
@@ -51,37 +54,96 @@ class WorkerGroup:
         self._pg: Any = None
         self._agents: list[Any] = []
         self._nodes: list[dict[str, Any]] = []
+        self._pending: dict[int, tuple[Any, float]] = {}  # rank -> (poll ref in flight, sent at)
+        self._lost: dict[int, str] = {}  # rank -> why its agent is gone
+        self._builds = 0
+        self._generation: int | None = None
 
+    # -- the gang ----------------------------------------------------------------------------
     def start(self) -> None:
         """Reserve the gang and start one agent per rank (no training process yet)."""
         s = self.spec
         bundle: dict[str, float] = {"CPU": s.cpus_per_worker}
         if s.gpus_per_worker:
             bundle["GPU"] = s.gpus_per_worker
+        self._builds += 1
         self._pg = placement_group([dict(bundle) for _ in range(s.world_size)], strategy=s.strategy,
-                                   name=f"spikeguard-{self.run_id}")
+                                   name=f"spikeguard-{self.run_id}-{self._builds}")
         try:
             ray.get(self._pg.ready(), timeout=s.placement_timeout_s)
         except GetTimeoutError:
             remove_placement_group(self._pg)
+            self._pg = None
             raise LaunchError(f"could not place {s.world_size} workers with {bundle} each within "
                               f"{s.placement_timeout_s:.0f}s: the cluster lacks resources") from None
         actor_cls = ray.remote(RankAgent)
         self._agents = [
             actor_cls.options(
-                num_cpus=0, max_concurrency=4,
+                num_cpus=0, max_concurrency=4, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self._pg,
                                                                      placement_group_bundle_index=i),
             ).remote(i)
             for i in range(s.world_size)
         ]
-        self._nodes = ray.get([a.node_info.remote() for a in self._agents], timeout=120)
+        try:
+            self._nodes = ray.get([a.node_info.remote() for a in self._agents], timeout=120)
+        except (RayError, GetTimeoutError) as e:
+            raise LaunchError(f"the rank agents did not start: {type(e).__name__}: {e}"[:500]) from e
+        self._pending, self._lost = {}, {}
 
+    def _healthy(self) -> bool:
+        if self._lost or not self._agents:
+            return False
+        refs = [a.ping.remote() for a in self._agents]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10.0)
+        if len(ready) < len(refs):
+            return False
+        try:
+            ray.get(ready)
+        except RayError:
+            return False
+        return True
+
+    def rebuild(self) -> None:
+        """Drop the agents and the placement group; place a new gang on the nodes alive now."""
+        self._drop()
+        self.start()
+
+    def _drop(self) -> None:
+        for a in self._agents:
+            try:
+                ray.kill(a, no_restart=True)
+            except (RayError, ValueError):
+                pass
+        self._agents, self._pending, self._lost = [], {}, {}
+        if self._pg is not None:
+            try:
+                remove_placement_group(self._pg)
+            except RayError:
+                pass
+            self._pg = None
+
+    def _pick_port(self) -> int:
+        return int(ray.get(self._agents[0].free_port.remote(), timeout=30))
+
+    # -- generations ---------------------------------------------------------------------------
     def launch(self, *, generation: int, cmd: list[str], env: dict[str, str], plan_path: str | None,
                fence_file: str, ckpt_dir: str) -> list[dict[str, Any]]:
-        """Start generation ``generation``: a fresh master port, torchrun env per rank."""
-        master_ip = self._nodes[0]["ip"]
-        port = ray.get(self._agents[0].free_port.remote(), timeout=30)
+        """Start generation ``generation``: a fresh master port, torchrun env per rank.
+
+        Rebuilds the gang first if an agent was lost. Returns per rank: rank, pid, generation,
+        report, port, node_id, host, ip, agent_pid.
+        """
+        try:
+            if not self._healthy():
+                self.rebuild()
+            master_ip = self._nodes[0]["ip"]
+            port = self._pick_port()
+        except (RayError, GetTimeoutError) as e:
+            raise LaunchError(f"preparing generation {generation} failed: {type(e).__name__}: {e}"[:500]) from e
+        if self._pending:  # a slow poll still in flight must drain the old generation, not the new one
+            ray.wait([ref for ref, _ in self._pending.values()], num_returns=len(self._pending), timeout=2.0)
+            self._pending = {}
         by_node: dict[str, list[int]] = {}
         for r, n in enumerate(self._nodes):
             by_node.setdefault(n["node_id"], []).append(r)
@@ -101,45 +163,82 @@ class WorkerGroup:
             calls.append(agent.start.remote(generation=generation, cmd=cmd, env=rank_env,
                                             cwd=os.getcwd(), log_path=log))
         try:
-            return ray.get(calls, timeout=60)
-        except (RayActorError, GetTimeoutError) as e:
-            raise LaunchError(f"launching generation {generation} failed: {e}") from e
-
-    def poll(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-        """One poll result per reachable rank; an unreachable agent reads as exit code -9 (lost)."""
-        refs = [a.poll.remote() for a in self._agents]
+            started = ray.get(calls, timeout=60)
+        except (RayError, GetTimeoutError) as e:
+            raise LaunchError(f"launching generation {generation} failed: {type(e).__name__}: {e}"[:500]) from e
+        self._pending, self._generation = {}, generation
         out = []
-        for r, ref in enumerate(refs):
-            try:
-                out.append(ray.get(ref, timeout=timeout_s))
-            except (RayActorError, GetTimeoutError) as e:
-                out.append({"rank": r, "generation": None, "lines": [], "overflow": 0, "exit": -9,
-                            "rx_age_s": None, "pid": None, "lost": f"{type(e).__name__}: {e}"[:300]})
+        for r, st in enumerate(started):
+            n = self._nodes[r]
+            out.append({"rank": r, "pid": st["pid"], "generation": generation, "report": st["report"], "port": port,
+                        "node_id": n["node_id"], "host": n["host"], "ip": n["ip"], "agent_pid": n["pid"]})
         return out
 
-    def kill(self, grace_s: float = 0.0) -> float:
-        """Kill every rank's process tree; returns the wall time it took (agents stay up)."""
+    def poll(self, timeout_s: float = 0.5) -> list[dict[str, Any]]:
+        """One poll result per rank that answered; a lost agent reads as exit code -9 with ``lost``.
+
+        Never waits longer than ``timeout_s``: a slow agent's poll stays in flight and is collected
+        by a later call; one silent for ``agent_timeout_s`` (frozen node) is declared lost.
+        """
+        now = time.monotonic()
+        for r, a in enumerate(self._agents):
+            if r not in self._pending and r not in self._lost:
+                self._pending[r] = (a.poll.remote(), now)
+        refs = [ref for ref, _ in self._pending.values()]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
+        out: list[dict[str, Any]] = []
+        for r, (ref, sent) in sorted(self._pending.items()):
+            if ref in ready:
+                del self._pending[r]
+                try:
+                    out.append(ray.get(ref))
+                except RayError as e:
+                    out.append(self._mark_lost(r, f"{type(e).__name__}: {e}"))
+            elif time.monotonic() - sent > self.spec.agent_timeout_s:
+                del self._pending[r]
+                out.append(self._mark_lost(r, f"agent unresponsive for {self.spec.agent_timeout_s:.0f}s "
+                                              "(node frozen or partitioned)"))
+        return out
+
+    def _mark_lost(self, rank: int, why: str) -> dict[str, Any]:
+        self._lost[rank] = why[:300]
+        node = self._nodes[rank] if rank < len(self._nodes) else {}
+        return {"rank": rank, "generation": self._generation, "lines": [], "overflow": 0, "exit": -9, "rx_age_s": None,
+                "pid": None, "lost": self._lost[rank], "node_id": node.get("node_id"), "host": node.get("host")}
+
+    def kill(self, grace_s: float = 0.0) -> dict[str, Any]:
+        """Kill every reachable rank's process tree (agents stay up).
+
+        Returns ``duration_s``, ``forced`` (ranks that ignored SIGTERM for the grace period) and
+        ``unreachable`` (ranks whose agent is lost or did not answer: fenced, reaped later).
+        """
         t0 = time.monotonic()
-        refs = [a.kill.remote(grace_s) for a in self._agents]
-        for ref in refs:
+        refs = {r: a.kill.remote(grace_s) for r, a in enumerate(self._agents) if r not in self._lost}
+        unreachable = set(self._lost)
+        forced: list[int] = []
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace_s + 15.0) if refs else ([], [])
+        for r, ref in refs.items():
+            if ref not in ready:
+                unreachable.add(r)
+                self._lost.setdefault(r, "agent did not answer the kill")
+                continue
             try:
-                ray.get(ref, timeout=grace_s + 30)
-            except (RayActorError, GetTimeoutError):
-                pass
-        return time.monotonic() - t0
+                res = ray.get(ref)
+            except RayError as e:
+                unreachable.add(r)
+                self._lost.setdefault(r, f"{type(e).__name__}: {e}"[:300])
+                continue
+            if res.get("forced"):
+                forced.append(r)
+        return {"duration_s": time.monotonic() - t0, "forced": sorted(forced), "unreachable": sorted(unreachable)}
 
     def shutdown(self) -> None:
         if self._agents:
-            self.kill()
-        for a in self._agents:
             try:
-                ray.kill(a)
-            except (RayActorError, ValueError):
+                self.kill()
+            except RayError:
                 pass
-        self._agents = []
-        if self._pg is not None:
-            remove_placement_group(self._pg)
-            self._pg = None
+        self._drop()
 
 
 def python_cmd(script: str, args: list[str]) -> list[str]:

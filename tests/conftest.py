@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -13,23 +15,38 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # so tests can import fakeslack
 
 
+RAY_INIT = dict(num_cpus=4, object_store_memory=80 * 1024 * 1024, include_dashboard=False,
+                log_to_driver=False, namespace="spikeguard-tests")
+
+
 @pytest.fixture(scope="session")
-def ray_local():
-    """A real embedded Ray for the whole session (small object store, logical CPUs for 2-4 ranks)."""
+def _ray_session():
     import ray
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=4, object_store_memory=80 * 1024 * 1024, include_dashboard=False,
-                 log_to_driver=False, namespace="spikeguard-tests")
     yield ray
-    ray.shutdown()
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def ray_local(_ray_session):
+    """A real embedded Ray shared by the session (small object store, logical CPUs for 2-4 ranks).
+
+    (Re)started on demand: the multi-node tests shut it down to run their own cluster.
+    """
+    ray = _ray_session
+    if not ray.is_initialized():
+        ray.init(**RAY_INIT)
+    return ray
 
 
 class Faults:
     """``fail_at(rank, step, mode, gen=1)``: inject a fault into ``tests/scripts/toy_rank.py``.
 
-    Modes: exit, sigkill, hang, collapse, nan (see the script's docstring). The
-    fault fires only in that launch generation, so a recovered run goes on. The
+    Modes: exit, sigkill, hang, collapse, nan, stall_start, ignore_term, zombie, garbage,
+    finish, slow (see the script's docstring). The fault fires only in that launch
+    generation (``gen="*"``: in all), so a recovered run goes on; ``step`` may be
+    ``"+N"``: N steps after the generation's first step. The
     faults travel to the ranks in the job's ``env`` (Ray workers do not see
     variables the test process sets after Ray started).
     """
@@ -37,7 +54,7 @@ class Faults:
     def __init__(self) -> None:
         self.specs: list[str] = []
 
-    def __call__(self, rank: int, step: int, mode: str, gen: int = 1) -> None:
+    def __call__(self, rank: int, step: int | str, mode: str, gen: int | str = 1) -> None:
         self.specs.append(f"{rank}:{step}:{mode}:{gen}")
 
     @property
@@ -50,15 +67,21 @@ def fail_at() -> Faults:
     return Faults()
 
 
+TEST_TIMEOUTS = {"restart_backoff_s": 0.2, "restart_backoff_max_s": 2.0, "reap_interval_s": 2.0}
+
+
 def toy_job(tmp_path: Path, *, policy: str | Path, steps: int = 120, workers: int = 2,
             heartbeat_s: float = 30.0, first_heartbeat_s: float = 120.0, extra_args: list[str] | None = None,
-            faults: Faults | None = None, **fields: Any):
+            faults: Faults | None = None, timeouts: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+            **fields: Any):
+    """A JobSpec for tests/scripts/toy_rank.py (short backoff and reap interval unless ``timeouts`` says)."""
     from spikeguard.supervisor.job import JobSpec
 
     args = ["--steps", str(steps), *(extra_args or [])]
+    t = {"heartbeat_s": heartbeat_s, "first_heartbeat_s": first_heartbeat_s, **TEST_TIMEOUTS, **(timeouts or {})}
     return JobSpec(name="toy", entrypoint=str(SCRIPTS / "toy_rank.py"), args=args, workers=workers,
-                   policy=str(policy), run_dir=str(tmp_path / "run"), env=faults.env if faults else {},
-                   timeouts={"heartbeat_s": heartbeat_s, "first_heartbeat_s": first_heartbeat_s}, **fields)
+                   policy=str(policy), run_dir=str(tmp_path / "run"),
+                   env={**(faults.env if faults else {}), **(env or {})}, timeouts=t, **fields)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -71,6 +94,70 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             pass
     return out
+
+
+def events(run_dir: Path) -> list[dict[str, Any]]:
+    return read_jsonl(Path(run_dir) / "journal.jsonl")
+
+
+def kinds(run_dir: Path) -> list[str]:
+    return [e["kind"] for e in events(run_dir)]
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+class When(threading.Thread):
+    """Runs ``action(events)`` once, as soon as ``predicate(events)`` holds for the run's journal.
+
+    Polls every 20 ms in a daemon thread (the supervisor runs in the test's main thread, as
+    ``run_job`` installs signal handlers). ``done`` tells whether it fired; ``error`` keeps what
+    the action raised.
+    """
+
+    def __init__(self, run_dir: Path, predicate: Callable[[list[dict[str, Any]]], Any],
+                 action: Callable[[list[dict[str, Any]]], None], timeout_s: float = 240.0) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.predicate, self.action, self.timeout_s = Path(run_dir), predicate, action, timeout_s
+        self.done = False
+        self.error: BaseException | None = None
+        self.start()
+
+    def ok(self, timeout_s: float = 60.0) -> bool:
+        """Wait for the action to finish; True if it ran without raising."""
+        self.join(timeout_s)
+        if self.error is not None:
+            raise self.error
+        return self.done
+
+    def run(self) -> None:
+        end = time.monotonic() + self.timeout_s
+        while time.monotonic() < end:
+            evs = events(self.run_dir) if (self.run_dir / "journal.jsonl").exists() else []
+            try:
+                if self.predicate(evs):
+                    self.action(evs)
+                    self.done = True
+                    return
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                self.error = e
+                return
+            time.sleep(0.02)
+
+
+def launch_of(evs: list[dict[str, Any]], gen: int) -> dict[str, Any] | None:
+    return next((e for e in evs if e["kind"] == "launch" and e.get("generation") == gen), None)
+
+
+def reports(run_dir: Path) -> list[dict[str, Any]]:
+    p = Path(run_dir) / "reports.jsonl"
+    return read_jsonl(p) if p.exists() else []
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

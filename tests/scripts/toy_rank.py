@@ -3,15 +3,23 @@
 A 2-layer GPT on random-but-deterministic tokens, data parallel over gloo,
 using the real SDK. Faults are injected through ``SG_FAULT`` (set by the
 ``fail_at`` fixture): ``"RANK:STEP:MODE[:GEN]"``, several separated by ``,``;
-the fault fires only in generation GEN (default 1), so a recovered run does not
-hit it again. Modes:
+the fault fires only in generation GEN (default 1; ``*``: every generation),
+so a recovered run does not hit it again. STEP may be ``+N``: N steps after
+the step this generation started at. Modes:
 
-``exit``      exit with code 3 before the step
-``sigkill``   SIGKILL itself mid-step (after backward, before all_reduce)
-``hang``      sleep forever right before the gradient all_reduce (peers hang inside it)
-``collapse``  from this step on (in that generation) scale the attention
-              queries/keys up and report a loss spike: grade and entropy fall
-``nan``       report a NaN loss from this step on
+``exit``         exit with code 3 before the step
+``sigkill``      SIGKILL itself mid-step (after backward, before all_reduce)
+``hang``         sleep forever right before the gradient all_reduce (peers hang inside it)
+``collapse``     from this step on (in that generation) scale the attention
+                 queries/keys up and report a loss spike: grade and entropy fall
+``nan``          report a NaN loss from this step on
+``stall_start``  sleep forever before init_process_group: never a first heartbeat (STEP ignored)
+``ignore_term``  ignore SIGTERM from the start (STEP ignored): a kill needs SIGKILL
+``zombie``       after reporting the step, SIGSTOP itself; once continued, keep trying to save a
+                 checkpoint and to report every 0.2 s, appending each outcome to ``$SG_ZOMBIE_OUT``
+``garbage``      before the step, write malformed/invalid lines to its own report socket
+``finish``       exit 0 before the step; from that step on no rank uses collectives (uneven data)
+``slow``         from this step on sleep ``--slow-sleep`` seconds per step (a straggler)
 """
 from __future__ import annotations
 
@@ -28,15 +36,65 @@ import spikeguard.workers as sgw
 from spikeguard.examples.model import GPT
 
 
-def faults(rank: int, gen: int) -> dict[int, str]:
-    out = {}
+def faults(rank: int, gen: int, start: int = 0) -> tuple[dict[int, str], set[str], int | None]:
+    """(this rank's {step: mode}, this rank's step-less modes, the step from which all ranks go solo)."""
+    out: dict[int, str] = {}
+    flags: set[str] = set()
+    solo: int | None = None
     for spec in filter(None, os.environ.get("SG_FAULT", "").split(",")):
         parts = spec.split(":")
-        r, s, mode = int(parts[0]), int(parts[1]), parts[2]
-        g = int(parts[3]) if len(parts) > 3 else 1
-        if r == rank and g == gen:
-            out[s] = mode
-    return out
+        r, s, mode = int(parts[0]), parts[1], parts[2]
+        g = parts[3] if len(parts) > 3 else "1"
+        if g != "*" and int(g) != gen:
+            continue
+        step = start + int(s[1:]) if s.startswith("+") else int(s)
+        if mode == "finish":
+            solo = step if solo is None else min(solo, step)
+        if r != rank:
+            continue
+        if mode in ("stall_start", "ignore_term"):
+            flags.add(mode)
+        else:
+            out[step] = mode
+    return out, flags, solo
+
+
+def write_garbage(gen: int) -> None:
+    """Bytes no valid rank sends, straight into this rank's report socket."""
+    import json
+    import socket
+
+    addr = os.environ.get("SPIKEGUARD_REPORT", "")
+    if not addr.startswith("unix://"):
+        return
+    rank = int(os.environ.get("RANK", 0))
+    ok = {"v": 1, "type": "heartbeat", "run": "toy", "gen": gen, "rank": rank, "step": 1, "t": 0.0}
+    lines = [b"this is not json", b"[1, 2, 3]", b"\xff\xfe\x00garbage", b'{"v": 1, "type": "heartbeat", "ste',
+             json.dumps({**ok, "v": 99}).encode(), json.dumps({**ok, "type": "bogus"}).encode(),
+             json.dumps({**ok, "step": "ten"}).encode(), json.dumps({**ok, "loss": "NaN"}).encode(),
+             json.dumps({**ok, "rank": rank + 7}).encode(), json.dumps({**ok, "gen": gen - 1}).encode(),
+             b"x" * ((1 << 20) + 100)]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(addr[len("unix://"):])
+        s.sendall(b"\n".join(lines) + b"\n")
+
+
+def zombie(sg: "sgw.Session", model: torch.nn.Module, step: int) -> None:
+    """Freeze; once continued, behave like a rank that outlived its generation and keeps training."""
+    out = os.environ.get("SG_ZOMBIE_OUT", os.devnull)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    for i in range(1, 10**6):
+        try:
+            info = sg.save_checkpoint({"model": model.state_dict(), "step": step + i}, step=step + i)
+            what = f"written {info.path}"
+        except sgw.StaleGenerationError as e:
+            what = f"refused {e}"
+        except Exception as e:  # noqa: BLE001 - record whatever happened
+            what = f"error {type(e).__name__}: {e}"
+        with open(out, "a") as f:
+            f.write(f"{os.getpid()} {what}\n")
+        sg.step(step=step + i, loss=1.0, lr=0.0)
+        time.sleep(0.2)
 
 
 def main() -> int:
@@ -46,10 +104,18 @@ def main() -> int:
     p.add_argument("--sample-every", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--slow-sleep", type=float, default=1.0)
     args = p.parse_args()
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     gen = int(os.environ.get("SPIKEGUARD_GENERATION", 1))
+    _, flags, _ = faults(rank, gen)
+    if "ignore_term" in flags:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print(f"rank {rank}: ignoring SIGTERM", flush=True)
+    if "stall_start" in flags:
+        print(f"rank {rank}: injected stall before init_process_group", flush=True)
+        time.sleep(3600)
     if world > 1:
         dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -57,8 +123,8 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     sg = sgw.attach(model, sample_every=args.sample_every, report="off")
     start = sg.resume(model, opt)
-    plan = faults(rank, gen)
-    collapsing = nan = False
+    plan, _, solo_from = faults(rank, gen, start)
+    collapsing = nan = slow = False
     for step in range(start, args.steps):
         if sg.should_skip(step):
             continue
@@ -66,6 +132,13 @@ def main() -> int:
         if mode == "exit":
             print(f"rank {rank}: injected exit at step {step}", flush=True)
             return 3
+        if mode == "finish":
+            print(f"rank {rank}: finishing early at step {step}", flush=True)
+            sg.close()
+            return 0
+        if mode == "garbage":
+            write_garbage(gen)
+        slow = slow or mode == "slow"
         collapsing = collapsing or mode == "collapse"
         nan = nan or mode == "nan"
         if collapsing:
@@ -82,7 +155,7 @@ def main() -> int:
         if mode == "hang":
             print(f"rank {rank}: injected hang before all_reduce at step {step}", flush=True)
             time.sleep(3600)
-        if world > 1:
+        if world > 1 and (solo_from is None or step < solo_from):
             for prm in model.parameters():
                 dist.all_reduce(prm.grad)
                 prm.grad /= world
@@ -96,10 +169,14 @@ def main() -> int:
         if rank == 0 and args.ckpt_every and step > 0 and step % args.ckpt_every == 0:
             sg.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
                                step=step)
+        if mode == "zombie":
+            zombie(sg, model, step)
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if slow:
+            time.sleep(args.slow_sleep)
     sg.close()
-    if world > 1:
+    if world > 1 and solo_from is None:
         dist.destroy_process_group()
     return 0
 
