@@ -4,7 +4,7 @@ generation.
 
 The head has no CPUs, so ranks only land on worker nodes; the supervisor (this test process, the
 driver) runs on the head. Ray's node health check is tightened here (dead after ~3-4 s instead of
-its default ~60 s, see docs/failure-semantics.md) so the frozen-node test takes seconds.
+its default ~60 s, see "Failure semantics" in the README) so the frozen-node test takes seconds.
 """
 from __future__ import annotations
 
