@@ -133,7 +133,8 @@ def explain_recovery(rs: RecoverySettings) -> str:
         f"skip the batches of the {rs.skip_window} steps before the incident" if rs.skip_window
         else "skip no data",
         f"then {rs.probation_steps} steps of probation" if rs.probation_steps else "no probation",
-        f"at most {rs.max_attempts} attempt{'s' if rs.max_attempts != 1 else ''}, then "
+        f"at most {rs.max_attempts} attempt{'s' if rs.max_attempts != 1 else ''} per incident and "
+        f"{rs.max_incidents} incident{'s' if rs.max_incidents != 1 else ''} per run, then "
         + ("stop the job and page" if rs.on_exhausted == "stop" else "hold the job for a human"),
     ]
     return "Recovery: " + "; ".join(parts) + "."

@@ -115,6 +115,8 @@ class RecoverySettings(_Model):
     """Steps after a resume during which any recover decision counts as a failed attempt."""
     max_attempts: Attempts = 3
     """Recoveries allowed before the budget is spent."""
+    max_incidents: Attempts = 10
+    """Incidents allowed in one run (each with its own max_attempts); the next one escalates at once, so a fault that recurs every few thousand steps cannot loop forever."""
     on_exhausted: OnExhausted = "stop"
     """When the budget is spent: 'stop' the job and page, or 'hold' (keep it stopped for a human)."""
 
@@ -150,6 +152,8 @@ class RecoveryOverrides(_Model):
     """Override of recovery.probation_steps."""
     max_attempts: Optional[Attempts] = None
     """Override of recovery.max_attempts."""
+    max_incidents: Optional[Attempts] = None
+    """Override of recovery.max_incidents."""
     on_exhausted: Optional[OnExhausted] = None
     """Override of recovery.on_exhausted."""
 

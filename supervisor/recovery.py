@@ -160,6 +160,11 @@ def _on_recover(state: State, obs: Recover) -> Transition:
         n = state.incidents_seen + 1
         inc = Incident(id=f"inc-{n:03d}", rule=obs.rule, reason=obs.reason, step=obs.step, settings=obs.settings)
         state = _replace(state, incidents_seen=n)
+        if n > inc.settings.max_incidents:
+            events.append(_ev("incident", obs.reason, inc, rule=obs.rule, step=obs.step,
+                              settings=inc.settings.to_dict(), **obs.details))
+            return _give_up(state, inc, events, f"this run has had {n} incidents, more than max_incidents "
+                            f"{inc.settings.max_incidents}: recovering again would not make it healthy")
         if inc.settings.max_attempts < 1:
             events.append(_ev("incident", obs.reason, inc, rule=obs.rule, step=obs.step,
                               settings=inc.settings.to_dict(), **obs.details))

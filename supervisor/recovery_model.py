@@ -63,6 +63,9 @@ class Settings:
     """Steps after the resume that must pass without another recover decision."""
     max_attempts: int = 3
     """Recoveries allowed for one incident before it escalates."""
+    max_incidents: int = 10
+    """Incidents allowed in one run; the next one escalates at once (a fault that recurs every
+    N steps, N longer than probation, would otherwise open fresh incidents forever)."""
     on_exhausted: Literal["stop", "hold"] = "stop"
     """When the budget is spent: stop the job and page, or hold it (ranks killed, waiting for a human)."""
 

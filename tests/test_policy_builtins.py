@@ -46,7 +46,7 @@ def test_policies_import_neither_ray_nor_torch_nor_the_supervisor():
 def test_recovery_defaults_are_the_supervisor_contract():
     assert RecoverySettings().model_dump() == {
         "min_grade": 4, "min_steps_back": 0, "fallback_on_corrupt": True, "lr_factors": [0.5],
-        "reset_optimizer": True, "skip_window": 0, "probation_steps": 1000, "max_attempts": 3,
+        "reset_optimizer": True, "skip_window": 0, "probation_steps": 1000, "max_attempts": 3, "max_incidents": 10,
         "on_exhausted": "stop"}
 
 

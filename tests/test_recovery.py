@@ -172,3 +172,18 @@ def test_observations_out_of_phase_change_nothing():
 def test_lr_factor_last_one_repeats():
     st = rc.Settings(lr_factors=(0.5, 0.3))
     assert [rc.lr_factor(st, i) for i in range(4)] == [0.5, 0.3, 0.3, 0.3]
+
+
+def test_too_many_incidents_in_one_run_escalate_at_once():
+    capped = rc.Settings(max_incidents=2, probation_steps=10)
+    s = running()
+    for n, at in enumerate((100, 300), start=1):  # two incidents, each recovered and passed
+        s = rc.step(s, recover(at, capped)).state
+        s = rc.step(s, rc.Killed((0,), 0.1)).state
+        s = rc.step(s, rc.CheckpointChosen("/c.pt", step=at - 50, grade=6)).state
+        s = rc.step(s, rc.Launched(n + 1)).state
+        s = rc.step(s, rc.Progress(at + 100)).state
+        assert s.phase is rc.Phase.RUNNING and s.incidents_seen == n
+    t = rc.step(s, recover(500, capped))
+    assert kinds(t)[-1] == "escalated" and "max_incidents 2" in t.events[-1]["reason"]
+    assert t.state.phase is rc.Phase.ESCALATED
