@@ -272,6 +272,7 @@ def train(args: argparse.Namespace, on_step=None) -> dict:
               f"{sum(tail) / len(tail):.4f}, min {min(losses):.4f}, first spike "
               f"{spike if spike is not None else 'none'}, {wall:.1f}s", flush=True)
     if world > 1 and dist.is_initialized():
+        dist.barrier()  # nobody tears down (rank 0 hosts the store) while a peer is still talking
         dist.destroy_process_group()
     return {"last_step": last, "stopped_on_nan": stopped_on_nan, "history": history, "wall": wall}
 

@@ -95,9 +95,15 @@ class Collector:
         v = self.ranks.get(rank)
         if v is None or generation != self.generation or self.generation is None or v.exit_code is not None:
             return None
+        msg = {"v": FORMAT_VERSION, "type": "exit", "gen": self.generation, "rank": rank,
+               "step": v.step if v.step is not None else -1, "code": int(code), "at": round(now, 3)}
+        if v.done and code != 0:
+            # it said `done` (training finished) and then died in teardown (e.g. gloo's threads
+            # aborting at interpreter exit): the training is complete, not a crash to recover
+            msg.update(code=0, teardown_code=int(code))
+            code = 0
         v.exit_code = code
-        return {"v": FORMAT_VERSION, "type": "exit", "gen": self.generation, "rank": rank,
-                "step": v.step if v.step is not None else -1, "code": int(code), "at": round(now, 3)}
+        return msg
 
     def check_hangs(self, now: float) -> list[dict[str, Any]]:
         """``hang`` messages for ranks silent too long (first heartbeat has its own, longer timeout)."""

@@ -151,6 +151,11 @@ class Controller:
                 return
             msg["step"] = rc.start_step(self.state.plan)  # the step this generation was to begin with
         self._write_report(msg)
+        if msg.get("teardown_code"):
+            self._event({"kind": "alert", "severity": "info", "rule": None, "rank": msg["rank"], "layer": None,
+                         "step": msg["step"], "incident": None,
+                         "reason": f"rank {msg['rank']} finished training, then exited with code "
+                                   f"{msg['teardown_code']} during teardown; counted as finished"})
         for d in self.engine.observe(msg):
             self._decide(d, msg)
             if self.collector.generation != gen:
@@ -182,7 +187,7 @@ class Controller:
             details.update(loss=_jsonable(view.loss if view else msg.get("loss")),
                            grad_norm=_jsonable(view.grad_norm if view else msg.get("grad_norm")),
                            grade=(view.summary.get("grade") if view else None),
-                           context=self._context())
+                           context=self._context(d.rank))
             if msg["type"] == "exit":
                 details.update(_exit_details(msg))
             elif msg["type"] == "hang":
@@ -199,8 +204,10 @@ class Controller:
             resolved = bool(getattr(d, "resolved", False))
             self._event({"kind": "alert", "reason": d.reason, "incident": None, "resolved": resolved, **details})
 
-    def _context(self) -> dict[str, list[Any]]:
-        hist = [h for h in self.collector.history if h["rank"] == 0] or list(self.collector.history)
+    def _context(self, rank: int | None) -> dict[str, list[Any]]:
+        """The recent samples of the rank that fired (rank 0 for run-wide rules), for the chart."""
+        want = 0 if rank is None else rank
+        hist = [h for h in self.collector.history if h["rank"] == want] or list(self.collector.history)
         keys = ("step", "grade", "attn_entropy_min", "loss", "max_logit")
         return {k + ("s" if k == "step" else ""): [_jsonable(h.get(k)) for h in hist[-60:]] for k in keys}
 

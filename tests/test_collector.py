@@ -101,3 +101,11 @@ def test_min_step_and_all_finished(col):
     assert not col.all_finished()
     col.exit(1, 0, 2, now=102)
     assert col.all_finished()
+
+
+def test_a_teardown_crash_after_done_counts_as_finished_but_is_kept(col):
+    col.ingest(0, line(type="done", step=9), now=101)
+    msg = col.exit(0, -6, generation=2, now=102)
+    assert msg["code"] == 0 and msg["teardown_code"] == -6
+    assert col.exit(1, -6, generation=2, now=102)["code"] == -6  # no `done`: a real crash
+    assert not col.all_finished()
