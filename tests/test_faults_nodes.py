@@ -99,7 +99,7 @@ def test_a_removed_node_is_replaced_and_the_run_recovers(nodes, tmp_path):
 
 
 def test_a_frozen_node_is_fenced_and_its_rank_killed_by_pid_once_reachable(nodes, tmp_path, fail_at):
-    fail_at(0, 25, "zombie")  # rank 0 (the checkpoint writer) freezes after step 25...
+    fail_at(0, 35, "zombie")  # rank 0 (the checkpoint writer) freezes after step 35...
     out = tmp_path / "zombie.txt"
     job = toy_job(tmp_path, policy=POLICY, faults=fail_at, steps=60, heartbeat_s=60,
                   env={"SG_ZOMBIE_OUT": str(out)}, timeouts={"restart_backoff_s": 2.0, "agent_timeout_s": 15})
@@ -133,9 +133,9 @@ def test_a_frozen_node_is_fenced_and_its_rank_killed_by_pid_once_reachable(nodes
     # fenced: the zombie tried to save and was refused (FENCE holds generation 2 by then)
     tries = out.read_text().splitlines()
     assert tries and all(" refused " in t and "was fenced (current generation 2)" in t for t in tries)
-    assert not [p for p in (run_dir / "checkpoints").glob("ckpt-step*-gen001-*") if int(p.name[9:17]) > 20]
-    # its reports never count: nothing of generation 1 past step 25 was accepted
-    assert not [m for m in reports(run_dir) if m["gen"] == 1 and m.get("step", 0) > 25]
+    assert not [p for p in (run_dir / "checkpoints").glob("ckpt-step*-gen001-*") if int(p.name[9:17]) > 30]
+    # its reports never count: nothing of generation 1 past step 35 was accepted
+    assert not [m for m in reports(run_dir) if m["gen"] == 1 and m.get("step", 0) > 35]
     # killed by pid as soon as its host was reachable, before generation 2 started
     reaped = next(e for e in evs if e["kind"] == "reaped")
     assert [p["pid"] for p in reaped["processes"]] == [frozen["rank"]]
