@@ -14,7 +14,9 @@ from typing import Any, Sequence
 from spikeguard.policies import commands as policy_commands
 
 from . import slack_cmd
-EXIT_BAD_INPUT = 2
+from .exitcodes import ExitCode
+
+EXIT_BAD_INPUT = ExitCode.BAD_INPUT
 
 
 def _submit(args: argparse.Namespace) -> int:

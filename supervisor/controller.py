@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol
 from spikeguard.workers import checkpoint as ckpt
 
 from . import recovery as rc
+from .exitcodes import ExitCode
 from . import reaper, rundir
 from .collector import Collector, is_finite
 from .errors import LaunchError
@@ -163,7 +164,7 @@ class Controller:
         if msg["type"] == "exit" and msg["code"] != 0:
             # a dead rank breaks the gang; without a rule that recovers it, the job has failed
             self._apply(rc.Failed(f"rank {msg['rank']} exited with code {msg['code']} and no policy rule "
-                                  "recovers crashes", exit_code=1,
+                                  "recovers crashes", exit_code=ExitCode.FAILED,
                                   details={"rank": msg["rank"], "rank_exit_code": msg["code"],
                                            **{k: v for k, v in _exit_details(msg).items() if k != "exit_code"}}))
 

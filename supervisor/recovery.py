@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
+from .exitcodes import ExitCode
 from .recovery_model import *  # noqa: F401,F403  (the public names of the machine)
 from .recovery_model import (RECUR_WINDOW_STEPS, TERMINAL, CheckpointChosen, Event, Failed, Finished, Incident, Kill, Killed, Launch,
                              Launched, LaunchFailed, Observation, Phase, Progress, Recover, Restarted, ResumePlan,
@@ -67,8 +68,8 @@ def step(state: State, obs: Observation) -> Transition:
     if p in TERMINAL:
         return Transition(state)
     if isinstance(obs, StopRequested):
-        return Transition(_replace(state, phase=Phase.STOPPED, exit_code=5),
-                          (Kill(obs.reason), Shutdown(5)), (_ev("stopped", obs.reason, state.incident),))
+        return Transition(_replace(state, phase=Phase.STOPPED, exit_code=ExitCode.STOPPED),
+                          (Kill(obs.reason), Shutdown(ExitCode.STOPPED)), (_ev("stopped", obs.reason, state.incident),))
     if isinstance(obs, Failed) and p is not Phase.KILLING:
         return Transition(_replace(state, phase=Phase.FAILED, exit_code=obs.exit_code),
                           (Kill(obs.reason), Shutdown(obs.exit_code)),
@@ -92,9 +93,9 @@ def step(state: State, obs: Observation) -> Transition:
         if p is Phase.PROBATION:
             events = _probation_passed(state, None, "training finished inside the probation window "
                                        "without a second incident").events
-        return Transition(_replace(state, phase=Phase.COMPLETED, incident=None, exit_code=0, probation_from=None,
+        return Transition(_replace(state, phase=Phase.COMPLETED, incident=None, exit_code=ExitCode.COMPLETED, probation_from=None,
                                    probation_until=None),
-                          (Shutdown(0),), events + (_ev("completed", "all ranks finished", None,
+                          (Shutdown(ExitCode.COMPLETED),), events + (_ev("completed", "all ranks finished", None,
                                                         final_loss=obs.final_loss),))
     if p is Phase.KILLING and isinstance(obs, Killed):
         inc = state.incident
@@ -182,8 +183,8 @@ def _give_up(state: State, inc: Incident, events: list[Event], why: str, fail_fa
         return Transition(_replace(state, phase=Phase.HOLDING, incident=inc),
                           (Kill(f"{why}; holding"),), tuple(events))
     events.append(_ev("escalated", why, inc, hold=False, **extra))
-    return Transition(_replace(state, phase=Phase.ESCALATED, incident=inc, exit_code=3),
-                      (Kill(why), Shutdown(3)), tuple(events))
+    return Transition(_replace(state, phase=Phase.ESCALATED, incident=inc, exit_code=ExitCode.ESCALATED),
+                      (Kill(why), Shutdown(ExitCode.ESCALATED)), tuple(events))
 
 
 def _on_launch_failed(state: State, obs: LaunchFailed) -> Transition:
@@ -193,11 +194,11 @@ def _on_launch_failed(state: State, obs: LaunchFailed) -> Transition:
                   retries_allowed=obs.retries_allowed, **obs.details)
     if n > obs.retries_allowed:
         why = (f"{n} consecutive launch failures (at most {obs.retries_allowed} retried); the last: {obs.reason}")
-        return Transition(_replace(state, phase=Phase.FAILED, exit_code=1, launch_failures=n,
+        return Transition(_replace(state, phase=Phase.FAILED, exit_code=ExitCode.FAILED, launch_failures=n,
                                    max_generation=max(state.max_generation, failed_gen)),
-                          (Kill(why), Shutdown(1)),
+                          (Kill(why), Shutdown(ExitCode.FAILED)),
                           (_ev("launch_failed", obs.reason, state.incident, gave_up=True, **fields),
-                           _ev("failed", why, state.incident, exit_code=1, rank_exit_code=obs.exit_code)))
+                           _ev("failed", why, state.incident, exit_code=ExitCode.FAILED, rank_exit_code=obs.exit_code)))
     relaunching = state.phase is Phase.RELAUNCHING
     st = _replace(state, max_generation=max(state.max_generation, failed_gen))
     plan = _replace(state.plan or ResumePlan(lr_scale=state.lr_scale), generation=next_generation(st))
@@ -220,7 +221,8 @@ def _on_checkpoint(state: State, obs: CheckpointChosen) -> Transition:
                f"step {inc.step} verifies")
         events = (_ev("rollback", why, inc, checkpoint_step=None, checkpoint_path=None, skipped=skipped),
                   _ev("escalated", why, inc, hold=False))
-        return Transition(_replace(state, phase=Phase.ESCALATED, exit_code=3), (Shutdown(3),), events)
+        return Transition(_replace(state, phase=Phase.ESCALATED, exit_code=ExitCode.ESCALATED),
+                          (Shutdown(ExitCode.ESCALATED),), events)
     factor = lr_factor(s, inc.attempts)
     scale = state.lr_scale * factor
     skip: tuple[tuple[int, int], ...] = ()
@@ -283,7 +285,7 @@ def _on_resume_checkpoint(state: State, obs: CheckpointChosen) -> Transition:
         if old is not None and old.checkpoint is not None:
             why = (f"supervisor restart: no healthy checkpoint to resume from (this generation resumed from "
                    f"{old.checkpoint}, which no longer verifies)")
-            return Transition(_replace(state, phase=Phase.ESCALATED, exit_code=3), (Shutdown(3),), (
+            return Transition(_replace(state, phase=Phase.ESCALATED, exit_code=ExitCode.ESCALATED), (Shutdown(ExitCode.ESCALATED),), (
                 _ev("resume", why, inc, checkpoint_step=None, checkpoint_path=None, skipped=skipped, resume_to=back),
                 _ev("escalated", why, inc, hold=False)))
         plan = ResumePlan(lr_scale=state.lr_scale, skip_ranges=old.skip_ranges if old else (), generation=gen)
@@ -345,13 +347,13 @@ def fold(events: Iterable[dict[str, Any]]) -> State:
             s = _replace(s, phase=Phase.RUNNING, incident=None, probation_from=None, probation_until=None)
         elif k == "escalated":
             s = (_replace(s, phase=Phase.HOLDING) if ev.get("hold")
-                 else _replace(s, phase=Phase.ESCALATED, exit_code=3))
+                 else _replace(s, phase=Phase.ESCALATED, exit_code=ExitCode.ESCALATED))
         elif k == "completed":
-            s = _replace(s, phase=Phase.COMPLETED, incident=None, exit_code=0)
+            s = _replace(s, phase=Phase.COMPLETED, incident=None, exit_code=ExitCode.COMPLETED)
         elif k == "failed":
             s = _replace(s, phase=Phase.FAILED, exit_code=int(ev.get("exit_code") or 1))
         elif k == "stopped":
-            s = _replace(s, phase=Phase.STOPPED, exit_code=5)
+            s = _replace(s, phase=Phase.STOPPED, exit_code=ExitCode.STOPPED)
         elif k == "launch_failed":
             s = _fold_launch_failed(s, ev)
         elif k == "resume":

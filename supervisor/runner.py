@@ -10,11 +10,12 @@ from . import recovery as rc
 from . import rundir
 from .console import ConsoleNotifier, LiveView
 from .controller import Controller
+from .exitcodes import ExitCode
 from .job import JobSpec
 from .journal import read_events
 from .workers import GroupSpec, WorkerGroup, python_cmd
 
-EXIT_COMPLETED, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_STOPPED = 0, 1, 2, 3, 5
+EXIT_FAILED, EXIT_BAD_INPUT = ExitCode.FAILED, ExitCode.BAD_INPUT  # kept for callers of run_job
 
 
 def init_ray(job: JobSpec) -> bool:
@@ -126,7 +127,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         if ctl is not None:
             ctl.stop_file.write_text("interrupted (Ctrl-C / SIGTERM)")
             ctl.step()
-        return 130
+        return ExitCode.INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, old_term)
         if ctl is not None:

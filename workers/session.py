@@ -141,8 +141,7 @@ class Session:
         if extra:
             fields["extra"] = extra
         if self.probes.armed_step == s:
-            layers = self.probes.collect()
-            self.probes.disarm()
+            layers = self.probes.collect()  # the _arm() below disarms (or re-arms for the next step)
             summary = summarize(layers)
             self._last_sample = {"step": s, "layers": layers, "summary": summary, "loss": loss_f}
             self._send("report", step=s, layers=layers, summary=summary, lr_scale=self.lr_scale, **fields)

@@ -1,0 +1,18 @@
+"""The ``spikeguard`` process exit codes, in one place (the README's table mirrors this)."""
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    COMPLETED = 0
+    FAILED = 1
+    """A rank crashed with no rule recovering it, or launches kept failing."""
+    BAD_INPUT = 2
+    """A job or policy file is invalid, or the run directory is held by another supervisor."""
+    ESCALATED = 3
+    """The recovery budget is spent, no healthy checkpoint exists, or the job is held for a human."""
+    STOPPED = 5
+    """Stopped by ``spikeguard stop`` or a policy ``stop`` rule."""
+    INTERRUPTED = 130
+    """Ctrl-C / SIGTERM."""
