@@ -16,15 +16,15 @@ Columns ``lowrank`` are :func:`spikeguard.workers.signals.effective_rank` with
 
     python3 bench/bench_erank.py [--threads 1] [--repeat 3] [--large]
 """
+
 from __future__ import annotations
 
 import argparse
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-
 from spikeguard.workers import signals as S
 
 K = 32
@@ -35,7 +35,7 @@ def spectrum_matrix(rows: int, d: int, kind: str, seed: int = 0) -> torch.Tensor
     r = min(rows, d)
     i = torch.arange(1, r + 1, dtype=torch.float32)
     if kind == "real":
-        s = i ** -0.5
+        s = i**-0.5
         s[:3] *= 30
     else:
         s = torch.full((r,), 0.01)
@@ -73,15 +73,23 @@ def best_ms(fn: Callable[[], object], repeat: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: shared machines)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (default 1: shared machines)"
+    )
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--large", action="store_true", help="add 2048x4096 (svdvals takes seconds on CPU)")
+    ap.add_argument(
+        "--large", action="store_true", help="add 2048x4096 (svdvals takes seconds on CPU)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    shapes = [(4096, 256), (2048, 1024), (8192, 1024), (2048, 2048)] + ([(2048, 4096)] if args.large else [])
+    shapes = [(4096, 256), (2048, 1024), (8192, 1024), (2048, 2048)] + (
+        [(2048, 4096)] if args.large else []
+    )
 
-    print(f"torch {torch.__version__}, {args.threads} thread(s), k={K}, best of {args.repeat}; "
-          f"err = relative erank error vs svdvals (real / floor spectrum)")
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), k={K}, best of {args.repeat}; "
+        f"err = relative erank error vs svdvals (real / floor spectrum)"
+    )
     head = f"{'shape':>11} {'auto':>7} {'svdvals':>9}"
     for name in ("gram", "lowrank", "svd_lowrank"):
         head += f" | {name + ' ms':>15} {'x':>5} {'err real':>9} {'err floor':>9}"
@@ -93,9 +101,14 @@ def main() -> None:
         ref = {kind: erank_of(PATHS["svdvals"](x)) for kind, x in xs.items()}
         line = f"{rows:>5}x{d:<5} {S.choose_method(rows, d):>7} {ms['svdvals']:>7.1f}ms"
         for name in ("gram", "lowrank", "svd_lowrank"):
-            errs = [(erank_of(PATHS[name](xs[kind])) - ref[kind]) / ref[kind] for kind in ("real", "floor")]
-            line += (f" | {ms[name]:>13.1f}ms {ms['svdvals'] / ms[name]:>4.1f}x"
-                     f" {errs[0]:>+9.1e} {errs[1]:>+9.1e}")
+            errs = [
+                (erank_of(PATHS[name](xs[kind])) - ref[kind]) / ref[kind]
+                for kind in ("real", "floor")
+            ]
+            line += (
+                f" | {ms[name]:>13.1f}ms {ms['svdvals'] / ms[name]:>4.1f}x"
+                f" {errs[0]:>+9.1e} {errs[1]:>+9.1e}"
+            )
         print(line, flush=True)
 
 

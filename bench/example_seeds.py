@@ -20,6 +20,7 @@ job does (the gradients differ only by float rounding of the all-reduce).
     python3 bench/example_seeds.py --jobs 2        # two runs at a time (one core each)
     python3 bench/example_seeds.py --seeds 0 --variants default -- --steps 1200
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,23 @@ def run_one(seed: int, variant: str, extra: list[str], progress_every: int) -> d
     torch.set_num_threads(1)
     from spikeguard.examples import gpt_diverge as ex
 
-    argv = ["--no-sdk", "--seed", str(seed), "--batch", "32", "--log-every", "0",
-            "--logit-every", "50", "--ckpt-every", "0", "--nan-patience", "0",
-            *VARIANTS[variant], *extra]
+    argv = [
+        "--no-sdk",
+        "--seed",
+        str(seed),
+        "--batch",
+        "32",
+        "--log-every",
+        "0",
+        "--logit-every",
+        "50",
+        "--ckpt-every",
+        "0",
+        "--nan-patience",
+        "0",
+        *VARIANTS[variant],
+        *extra,
+    ]
     args = ex.parse_args(argv)
     tag = f"[seed {seed} {variant}]"
     steps: list[int] = []
@@ -56,8 +71,11 @@ def run_one(seed: int, variant: str, extra: list[str], progress_every: int) -> d
         if rec["max_logit"] is not None:
             logits.append(rec["max_logit"])
         if progress_every and rec["step"] % progress_every == 0:
-            print(f"{tag} step {rec['step']}/{args.steps} loss {rec['loss']:.3f} "
-                  f"lr {rec['lr']:.2e} ({rec['t']:.0f}s)", flush=True)
+            print(
+                f"{tag} step {rec['step']}/{args.steps} loss {rec['loss']:.3f} "
+                f"lr {rec['lr']:.2e} ({rec['t']:.0f}s)",
+                flush=True,
+            )
 
     print(f"{tag} start: {' '.join(argv)}", flush=True)
     t0 = time.time()
@@ -66,25 +84,34 @@ def run_one(seed: int, variant: str, extra: list[str], progress_every: int) -> d
     tail = losses[-50:]
     finite = [x for x in losses if math.isfinite(x)]
     row = {
-        "seed": seed, "variant": variant,
+        "seed": seed,
+        "variant": variant,
         "spike_step": ex.first_spike(losses, steps),
         "min_loss": min(finite) if finite else float("nan"),
         "final_loss": sum(tail) / len(tail) if tail else float("nan"),
         "max_attn_logit": max(logits) if logits else float("nan"),
-        "steps": len(steps), "wall_s": wall,
+        "steps": len(steps),
+        "wall_s": wall,
     }
-    print(f"{tag} done in {wall:.0f}s: spike {row['spike_step']}, final {row['final_loss']:.3f}", flush=True)
+    print(
+        f"{tag} done in {wall:.0f}s: spike {row['spike_step']}, final {row['final_loss']:.3f}",
+        flush=True,
+    )
     return row
 
 
 def fmt_table(rows: list[dict]) -> str:
-    head = f"{'seed':>4}  {'variant':<8}  {'spike step':>10}  {'min loss':>8}  {'final loss':>10}  " \
-           f"{'max attn logit':>14}  {'wall s':>6}"
+    head = (
+        f"{'seed':>4}  {'variant':<8}  {'spike step':>10}  {'min loss':>8}  {'final loss':>10}  "
+        f"{'max attn logit':>14}  {'wall s':>6}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         spike = "-" if r["spike_step"] is None else str(r["spike_step"])
-        lines.append(f"{r['seed']:>4}  {r['variant']:<8}  {spike:>10}  {r['min_loss']:>8.3f}  "
-                     f"{r['final_loss']:>10.3f}  {r['max_attn_logit']:>14.4g}  {r['wall_s']:>6.0f}")
+        lines.append(
+            f"{r['seed']:>4}  {r['variant']:<8}  {spike:>10}  {r['min_loss']:>8.3f}  "
+            f"{r['final_loss']:>10.3f}  {r['max_attn_logit']:>14.4g}  {r['wall_s']:>6.0f}"
+        )
     return "\n".join(lines)
 
 
@@ -93,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     extra: list[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="arguments after -- go to gpt_diverge.py")
+        argv, extra = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="arguments after -- go to gpt_diverge.py"
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (each uses one core)")
@@ -104,12 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     combos = [(s, v) for s in args.seeds for v in args.variants]
-    print(f"example_seeds: {len(combos)} runs, {args.jobs} at a time, world size 1 (batch 32 = 2 ranks x 16)",
-          flush=True)
+    print(
+        f"example_seeds: {len(combos)} runs, {args.jobs} at a time, world size 1 (batch 32 = 2 ranks x 16)",
+        flush=True,
+    )
     t0 = time.time()
     rows: dict[tuple[int, str], dict] = {}
     ctx = mp.get_context("spawn")  # a fresh interpreter per run: no state shared between runs
-    with cf.ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=ctx, max_tasks_per_child=1) as pool:
+    with cf.ProcessPoolExecutor(
+        max_workers=max(1, args.jobs), mp_context=ctx, max_tasks_per_child=1
+    ) as pool:
         futs = {pool.submit(run_one, s, v, extra, args.progress_every): (s, v) for s, v in combos}
         for n, fut in enumerate(cf.as_completed(futs), 1):
             rows[futs[fut]] = fut.result()

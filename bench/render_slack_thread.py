@@ -27,7 +27,6 @@ from PIL import Image, ImageDraw, ImageFont
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from fakeslack import TOKEN, FakeSlack, incident_events  # noqa: E402
-
 from spikeguard.supervisor.slack import SlackNotifier, SlackSettings  # noqa: E402
 
 W, PAD, AVATAR, TEXT_X = 880, 24, 40, 24 + 40 + 12
@@ -35,12 +34,22 @@ MAX_W = W - TEXT_X - PAD
 FONT_DIR = Path(matplotlib.get_data_path()) / "fonts/ttf"
 INK, GREY, LINK, CODE, RULE = "#1d1c1d", "#616061", "#1264a3", "#e01e5a", "#dddddd"
 MENTION_NAMES = {"<!subteam^S0ONCALL>": "@ml-oncall"}
-EMOJI = {"rotating_light": ("⚠", "#e01e5a"), "octagonal_sign": ("■", "#d72b3f"),
-         "rewind": ("↺", "#1d7ac7"), "chart_with_downwards_trend": ("↓", "#2eb67d"),
-         "arrows_counterclockwise": ("↻", "#1d7ac7"), "hourglass_flowing_sand": ("⚑", "#ecb22e"),
-         "white_check_mark": ("✔", "#2eb67d"), "sos": ("!", "#e01e5a"), "x": ("✘", "#e01e5a"),
-         "warning": ("⚠", "#ecb22e"), "rocket": ("▲", "#7c3aed"), "stop_button": ("■", "#616061"),
-         "checkered_flag": ("⚑", "#1d1c1d"), "small_blue_diamond": ("◆", "#1d7ac7")}
+EMOJI = {
+    "rotating_light": ("⚠", "#e01e5a"),
+    "octagonal_sign": ("■", "#d72b3f"),
+    "rewind": ("↺", "#1d7ac7"),
+    "chart_with_downwards_trend": ("↓", "#2eb67d"),
+    "arrows_counterclockwise": ("↻", "#1d7ac7"),
+    "hourglass_flowing_sand": ("⚑", "#ecb22e"),
+    "white_check_mark": ("✔", "#2eb67d"),
+    "sos": ("!", "#e01e5a"),
+    "x": ("✘", "#e01e5a"),
+    "warning": ("⚠", "#ecb22e"),
+    "rocket": ("▲", "#7c3aed"),
+    "stop_button": ("■", "#616061"),
+    "checkered_flag": ("⚑", "#1d1c1d"),
+    "small_blue_diamond": ("◆", "#1d7ac7"),
+}
 #: Seconds after the incident at which each sample event happens (a realistic recovery).
 OFFSETS = (0, 4, 11, 11, 11, 38, 47, 1247)
 
@@ -58,12 +67,20 @@ def capture() -> dict[str, Any]:
         ev["time"] = (t0 + dt.timedelta(seconds=off)).isoformat()
     with FakeSlack() as fake:
         env = {"SLACK_BOT_TOKEN": TOKEN, "SPIKEGUARD_SLACK_API_URL": fake.api_url}
-        s = SlackSettings.from_env(channel="#ml-alerts", mention="S0ONCALL", environ=env,
-                                   runbook_url="https://wiki.example.com/spikeguard/runbook",
-                                   dashboard_url="https://grafana.example.com/d/train",
-                                   min_interval_s=0.0)
-        n = SlackNotifier(s, run="gpt-1b-pretrain", journal=lambda e: None,
-                          run_dir_url="https://runs.example.com/gpt-1b-pretrain")
+        s = SlackSettings.from_env(
+            channel="#ml-alerts",
+            mention="S0ONCALL",
+            environ=env,
+            runbook_url="https://wiki.example.com/spikeguard/runbook",
+            dashboard_url="https://grafana.example.com/d/train",
+            min_interval_s=0.0,
+        )
+        n = SlackNotifier(
+            s,
+            run="gpt-1b-pretrain",
+            journal=lambda e: None,
+            run_dir_url="https://runs.example.com/gpt-1b-pretrain",
+        )
         for ev in events:
             n.handle(ev)
         assert n.flush(60), "the fake Slack did not receive everything"
@@ -71,8 +88,13 @@ def capture() -> dict[str, Any]:
         assert not fake.violations, fake.violations
         (root,) = fake.roots()
         first = fake.ok_calls("chat.postMessage")[0].params
-        return {"root": root, "replies": fake.replies(root["ts"]), "first_text": first["text"],
-                "chart": next(iter(fake.files.values())), "times": [e["time"] for e in events]}
+        return {
+            "root": root,
+            "replies": fake.replies(root["ts"]),
+            "first_text": first["text"],
+            "chart": next(iter(fake.files.values())),
+            "times": [e["time"] for e in events],
+        }
 
 
 def runs(mrkdwn: str, base: str = "") -> list[tuple[str, str]]:
@@ -123,8 +145,13 @@ class Canvas:
                     cx, y = x, y + line_h
                 sym, bg = EMOJI[text]
                 self.d.rounded_rectangle([cx, y + 1, cx + size + 3, y + size + 4], 4, fill=bg)
-                self.d.text((cx + (size + 3) / 2, y + (size + 5) / 2), sym, font=font(size - 3, "b"),
-                            fill="white", anchor="mm")
+                self.d.text(
+                    (cx + (size + 3) / 2, y + (size + 5) / 2),
+                    sym,
+                    font=font(size - 3, "b"),
+                    fill="white",
+                    anchor="mm",
+                )
                 cx += size + 8
                 continue
             f = font(size - 1 if style == "code" else size, {"b": "b", "code": "m"}.get(style, ""))
@@ -139,8 +166,12 @@ class Canvas:
                     continue
                 if style in ("code", "mention") and not word.isspace():
                     bg = "#f6f6f6" if style == "code" else "#e8f5fa"
-                    self.d.rounded_rectangle([cx - 2, y, cx + wlen + 2, y + size + 5], 3, fill=bg,
-                                             outline="#e0e0e0" if style == "code" else None)
+                    self.d.rounded_rectangle(
+                        [cx - 2, y, cx + wlen + 2, y + size + 5],
+                        3,
+                        fill=bg,
+                        outline="#e0e0e0" if style == "code" else None,
+                    )
                 self.d.text((cx, y + 1), word, font=f, fill=fill)
                 cx += wlen
         self.y = y + line_h
@@ -156,7 +187,7 @@ class Canvas:
                 col = MAX_W // 2
                 for i in range(0, len(b["fields"]), 2):
                     top, bottom = self.y, self.y
-                    for j, fld in enumerate(b["fields"][i:i + 2]):
+                    for j, fld in enumerate(b["fields"][i : i + 2]):
                         self.y = top
                         self.rich(fld["text"], x + j * col, col - 12)
                         bottom = max(bottom, self.y)
@@ -165,13 +196,19 @@ class Canvas:
                 self.rich("   ".join(e["text"] for e in b["elements"]), x, MAX_W, 13, GREY)
             self.y += 5
 
-    def message(self, when: str, blocks: list[dict[str, Any]], note: str = "",
-                edited: bool = False) -> None:
+    def message(
+        self, when: str, blocks: list[dict[str, Any]], note: str = "", edited: bool = False
+    ) -> None:
         """One message: avatar, name, APP badge, time, then its blocks."""
         top = self.y
         self.d.rounded_rectangle([PAD, top + 2, PAD + AVATAR, top + 2 + AVATAR], 8, fill="#4a154b")
-        self.d.text((PAD + AVATAR / 2, top + 2 + AVATAR / 2), "SG", font=font(16, "b"),
-                    fill="white", anchor="mm")
+        self.d.text(
+            (PAD + AVATAR / 2, top + 2 + AVATAR / 2),
+            "SG",
+            font=font(16, "b"),
+            fill="white",
+            anchor="mm",
+        )
         if note:
             self.d.text((TEXT_X, top), note, font=font(12), fill=GREY)
             top += 18
@@ -192,8 +229,9 @@ class Canvas:
         im = Image.open(io.BytesIO(png)).convert("RGB")
         im = im.resize((520, int(im.height * 520 / im.width)), Image.LANCZOS)
         self.img.paste(im, (TEXT_X, self.y))
-        self.d.rectangle([TEXT_X - 1, self.y - 1, TEXT_X + im.width, self.y + im.height],
-                         outline=RULE)
+        self.d.rectangle(
+            [TEXT_X - 1, self.y - 1, TEXT_X + im.width, self.y + im.height], outline=RULE
+        )
         self.y += im.height + 16
 
     def rule(self, label: str) -> None:
@@ -213,8 +251,12 @@ def render(data: dict[str, Any], out: Path) -> None:
     # the push notification (plain-text fallback of the first root message)
     note = data["first_text"].replace("<!subteam^S0ONCALL>", MENTION_NAMES["<!subteam^S0ONCALL>"])
     c.d.rounded_rectangle([PAD, c.y, W - PAD, c.y + 78], 14, fill="#2b2b2e")
-    c.d.text((PAD + 16, c.y + 10), f"Slack · #ml-alerts · {times[0]}   (what the on-call's phone "
-             "shows)", font=font(12), fill="#b8b8bd")
+    c.d.text(
+        (PAD + 16, c.y + 10),
+        f"Slack · #ml-alerts · {times[0]}   (what the on-call's phone shows)",
+        font=font(12),
+        fill="#b8b8bd",
+    )
     top, c.y = c.y, c.y + 30
     c.rich(_escape(note), PAD + 16, W - 2 * PAD - 32, 14, "white")
     c.y = max(c.y, top + 78) + 22

@@ -12,6 +12,7 @@ a run resumed at step N sees exactly the batches it would have seen, and a
 skipped step range skips exactly those batches. With the same global batch
 (``batch * world_size``) a 1-rank run sees the same data as a 2-rank run.
 """
+
 from __future__ import annotations
 
 import glob
@@ -49,8 +50,9 @@ def load_corpus(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = None) -> 
 class Batches:
     """Batches drawn deterministically from ``(seed, step, rank)``."""
 
-    def __init__(self, corpus: torch.Tensor, seq_len: int, batch: int,
-                 world_size: int = 1, seed: int = 0):
+    def __init__(
+        self, corpus: torch.Tensor, seq_len: int, batch: int, world_size: int = 1, seed: int = 0
+    ):
         self.corpus = corpus
         self.seq_len = seq_len
         self.batch = batch
@@ -67,13 +69,14 @@ class Batches:
         # seed and step into one integer would make different seeds collide.)
         rng = random.Random(f"spikeguard-example:{self.seed}:{step}")
         n = self.num_sequences
-        return torch.tensor([rng.randrange(n) for _ in range(self.batch * self.world_size)],
-                            dtype=torch.long)
+        return torch.tensor(
+            [rng.randrange(n) for _ in range(self.batch * self.world_size)], dtype=torch.long
+        )
 
     def ids(self, step: int, rank: int) -> list[int]:
         """Sequence indices of this rank's share of the batch of ``step``."""
         ids = self.global_ids(step)
-        return ids[rank * self.batch:(rank + 1) * self.batch].tolist()
+        return ids[rank * self.batch : (rank + 1) * self.batch].tolist()
 
     def get(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """``(x, y, ids)``: inputs and next-byte targets, int64 ``[batch, seq_len]``."""

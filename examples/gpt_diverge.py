@@ -28,6 +28,7 @@ Non-finite losses do not crash the script: it keeps training (the SDK reports
 the NaNs), and after ``--nan-patience`` consecutive non-finite steps it stops
 early, prints a note and exits 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from spikeguard.examples.data import DEFAULT_MAX_BYTES, Batches, load_corpus
 from spikeguard.examples.model import GPT
 
@@ -47,36 +47,65 @@ STABLE_FACTOR = 0.1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=1600, help="total optimizer steps")
     p.add_argument("--seed", type=int, default=0, help="init and data seed")
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=64, help="tokens (bytes) per sequence")
     p.add_argument("--lr-start", type=float, default=1e-3, help="LR at step 0")
-    p.add_argument("--lr-peak", type=float, default=None,
-                   help="LR at the end of the warm-up (default 0.15; x0.1 with --stable)")
+    p.add_argument(
+        "--lr-peak",
+        type=float,
+        default=None,
+        help="LR at the end of the warm-up (default 0.15; x0.1 with --stable)",
+    )
     p.add_argument("--warmup", type=int, default=800, help="geometric warm-up steps")
-    p.add_argument("--final-frac", type=float, default=0.1,
-                   help="LR at --steps as a fraction of the peak (cosine decay)")
-    p.add_argument("--stable", action="store_true",
-                   help=f"control run: the same schedule scaled x{STABLE_FACTOR}")
+    p.add_argument(
+        "--final-frac",
+        type=float,
+        default=0.1,
+        help="LR at --steps as a fraction of the peak (cosine decay)",
+    )
+    p.add_argument(
+        "--stable",
+        action="store_true",
+        help=f"control run: the same schedule scaled x{STABLE_FACTOR}",
+    )
     p.add_argument("--qk-norm", action="store_true", help="RMSNorm on q and k per head (the fix)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2")
-    p.add_argument("--sample-every", type=int, default=200,
-                   help="SDK probe interval (SPIKEGUARD_SAMPLE_EVERY overrides)")
+    p.add_argument(
+        "--sample-every",
+        type=int,
+        default=200,
+        help="SDK probe interval (SPIKEGUARD_SAMPLE_EVERY overrides)",
+    )
     p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint interval (0: never)")
-    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (SPIKEGUARD_CKPT_DIR overrides)")
-    p.add_argument("--report", default="off",
-                   help='"off" or "jsonl:///path/file.jsonl" (SPIKEGUARD_REPORT overrides)')
+    p.add_argument(
+        "--ckpt-dir", default=None, help="checkpoint directory (SPIKEGUARD_CKPT_DIR overrides)"
+    )
+    p.add_argument(
+        "--report",
+        default="off",
+        help='"off" or "jsonl:///path/file.jsonl" (SPIKEGUARD_REPORT overrides)',
+    )
     p.add_argument("--no-sdk", action="store_true", help="run without spikeguard.workers")
     p.add_argument("--log-every", type=int, default=100, help="rank-0 progress interval")
-    p.add_argument("--logit-every", type=int, default=0,
-                   help="record the max attention logit on rank 0 every N steps (0: never)")
+    p.add_argument(
+        "--logit-every",
+        type=int,
+        default=0,
+        help="record the max attention logit on rank 0 every N steps (0: never)",
+    )
     p.add_argument("--metrics", default=None, help="rank 0 writes one JSON line per step here")
-    p.add_argument("--nan-patience", type=int, default=20,
-                   help="stop after this many consecutive non-finite losses")
+    p.add_argument(
+        "--nan-patience",
+        type=int,
+        default=20,
+        help="stop after this many consecutive non-finite losses",
+    )
     p.add_argument("--data-bytes", type=int, default=DEFAULT_MAX_BYTES)
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda uses nccl)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
@@ -99,8 +128,9 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return floor + 0.5 * (args.lr_peak - floor) * (1.0 + math.cos(math.pi * frac))
 
 
-def first_spike(losses: list[float], steps: list[int] | None = None,
-                window: int = 20, jump: float = 0.3) -> int | None:
+def first_spike(
+    losses: list[float], steps: list[int] | None = None, window: int = 20, jump: float = 0.3
+) -> int | None:
     """Step of the first loss spike: a non-finite loss, or a ``window``-step mean
     that exceeds the best earlier ``window``-step mean by more than ``jump`` nats."""
     steps = steps if steps is not None else list(range(len(losses)))
@@ -151,9 +181,12 @@ def _attach(args, model):
         return NullSession()
     try:
         import spikeguard.workers as sgw
+
         attach = sgw.attach
     except (ImportError, AttributeError) as e:
-        raise SystemExit(f"spikeguard.workers.attach is not available ({e}); run with --no-sdk") from e
+        raise SystemExit(
+            f"spikeguard.workers.attach is not available ({e}); run with --no-sdk"
+        ) from e
     return attach(model, report=args.report, sample_every=args.sample_every, ckpt_dir=args.ckpt_dir)
 
 
@@ -173,8 +206,9 @@ def train(args: argparse.Namespace, on_step=None) -> dict:
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                rank=rank, world_size=world)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world
+        )
 
     torch.manual_seed(args.seed)
     model = GPT(seq_len=args.seq, qk_norm=args.qk_norm).to(device)
@@ -182,13 +216,16 @@ def train(args: argparse.Namespace, on_step=None) -> dict:
     if world > 1:
         for p in params:  # identical seeds give identical weights; make sure anyway
             dist.broadcast(p.data, src=0)
-    optimizer = torch.optim.AdamW(params, lr=lr_at(0, args), betas=(0.9, args.beta2),
-                                  weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(
+        params, lr=lr_at(0, args), betas=(0.9, args.beta2), weight_decay=args.weight_decay
+    )
     batches = Batches(load_corpus(args.data_bytes), args.seq, args.batch, world, args.seed)
 
     sg = _attach(args, model)
     start = sg.resume(model, optimizer)
-    lr_scale = float(getattr(sg, "lr_scale", 1.0))  # the supervisor's scale, applied inside optimizer.step
+    lr_scale = float(
+        getattr(sg, "lr_scale", 1.0)
+    )  # the supervisor's scale, applied inside optimizer.step
     # checkpoints need a directory (--ckpt-dir or SPIKEGUARD_CKPT_DIR); without one, none are written
     ckpt_every = args.ckpt_every if getattr(sg, "ckpt_dir", None) else 0
     metrics = open(args.metrics, "a", encoding="utf-8") if (args.metrics and rank == 0) else None
@@ -198,10 +235,13 @@ def train(args: argparse.Namespace, on_step=None) -> dict:
     last = start - 1
     t0 = time.time()
     if rank == 0:
-        print(f"gpt_diverge: world={world} batch={args.batch}x{args.seq}/rank steps={start}..{args.steps} "
-              f"lr {args.lr_start:g}->{args.lr_peak:g} (warmup {args.warmup}) qk_norm={args.qk_norm} "
-              f"sdk={'off' if args.no_sdk else 'on'} lr_scale={lr_scale:g} "
-              f"checkpoints={'every ' + str(ckpt_every) if ckpt_every else 'off'}", flush=True)
+        print(
+            f"gpt_diverge: world={world} batch={args.batch}x{args.seq}/rank steps={start}..{args.steps} "
+            f"lr {args.lr_start:g}->{args.lr_peak:g} (warmup {args.warmup}) qk_norm={args.qk_norm} "
+            f"sdk={'off' if args.no_sdk else 'on'} lr_scale={lr_scale:g} "
+            f"checkpoints={'every ' + str(ckpt_every) if ckpt_every else 'off'}",
+            flush=True,
+        )
     try:
         for step in range(start, args.steps):
             if sg.should_skip(step):
@@ -229,7 +269,7 @@ def train(args: argparse.Namespace, on_step=None) -> dict:
             if world > 1:
                 offset = 0
                 for p, g in zip(params, grads):
-                    p.grad.copy_(flat[offset:offset + g.numel()].view_as(p.grad))
+                    p.grad.copy_(flat[offset : offset + g.numel()].view_as(p.grad))
                     offset += g.numel()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -237,27 +277,45 @@ def train(args: argparse.Namespace, on_step=None) -> dict:
             sg.step(step=step, loss=local_loss, grad_norm=gn, lr=lr, batch_ids=ids)
             last = step
             if ckpt_every and step % ckpt_every == 0 and step > 0 and rank == 0:
-                sg.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                    "step": step}, step=step)
+                sg.save_checkpoint(
+                    {
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "step": step,
+                    },
+                    step=step,
+                )
             if rank == 0:
                 history.append((step, global_loss))
-                rec = {"step": step, "loss": global_loss, "grad_norm": gn, "lr": lr * lr_scale,
-                       "max_logit": max_logit, "t": time.time() - t0}
+                rec = {
+                    "step": step,
+                    "loss": global_loss,
+                    "grad_norm": gn,
+                    "lr": lr * lr_scale,
+                    "max_logit": max_logit,
+                    "t": time.time() - t0,
+                }
                 if metrics:
                     metrics.write(json.dumps(rec) + "\n")
                 if on_step:
                     on_step(rec)
                 if args.log_every and step % args.log_every == 0:
                     ml = f" max_logit {max_logit:.1f}" if max_logit is not None else ""
-                    print(f"step {step:5d} loss {global_loss:.4f} lr {lr * lr_scale:.3e} gnorm {gn:.3g}{ml} "
-                          f"({time.time() - t0:.1f}s)", flush=True)
+                    print(
+                        f"step {step:5d} loss {global_loss:.4f} lr {lr * lr_scale:.3e} gnorm {gn:.3g}{ml} "
+                        f"({time.time() - t0:.1f}s)",
+                        flush=True,
+                    )
             # every rank sees the same averaged loss, so every rank stops at the same step
             bad_streak = 0 if math.isfinite(global_loss) else bad_streak + 1
             if args.nan_patience and bad_streak >= args.nan_patience:
                 stopped_on_nan = True
                 if rank == 0:
-                    print(f"note: loss non-finite for {bad_streak} steps (since step "
-                          f"{step - bad_streak + 1}); stopping early at step {step}", flush=True)
+                    print(
+                        f"note: loss non-finite for {bad_streak} steps (since step "
+                        f"{step - bad_streak + 1}); stopping early at step {step}",
+                        flush=True,
+                    )
                 break
     finally:
         if metrics:
@@ -268,9 +326,12 @@ def train(args: argparse.Namespace, on_step=None) -> dict:
         losses = [l for _, l in history]
         tail = losses[-50:]
         spike = first_spike(losses, [s for s, _ in history])
-        print(f"finished: last step {last}, final loss (mean of last {len(tail)}) "
-              f"{sum(tail) / len(tail):.4f}, min {min(losses):.4f}, first spike "
-              f"{spike if spike is not None else 'none'}, {wall:.1f}s", flush=True)
+        print(
+            f"finished: last step {last}, final loss (mean of last {len(tail)}) "
+            f"{sum(tail) / len(tail):.4f}, min {min(losses):.4f}, first spike "
+            f"{spike if spike is not None else 'none'}, {wall:.1f}s",
+            flush=True,
+        )
     if world > 1 and dist.is_initialized():
         dist.barrier()  # nobody tears down (rank 0 hosts the store) while a peer is still talking
         dist.destroy_process_group()

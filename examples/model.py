@@ -13,6 +13,7 @@ for attention-logit growth. The attention forward hands the exact SDPA inputs
 to ``spikeguard.workers.probes.record_qk`` (a no-op unless a probe is armed),
 so the SDK's entropies and max logit are right with QK-norm as well.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 try:  # the SDK's explicit Q/K capture: exact for QK-norm too; a no-op unless a probe is armed
     from spikeguard.workers.probes import record_qk
 except ImportError:  # pragma: no cover - the example also runs without the SDK
+
     def record_qk(module, q, k, **kw):  # type: ignore[misc]
         return None
 
@@ -100,8 +102,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int = 256, seq_len: int = 64, d_model: int = 64,
-                 n_layer: int = 3, n_head: int = 4, qk_norm: bool = False):
+    def __init__(
+        self,
+        vocab: int = 256,
+        seq_len: int = 64,
+        d_model: int = 64,
+        n_layer: int = 3,
+        n_head: int = 4,
+        qk_norm: bool = False,
+    ):
         super().__init__()
         self.seq_len = seq_len
         self.tok_emb = nn.Embedding(vocab, d_model)

@@ -2,11 +2,22 @@
 
 Pure: pydantic and PyYAML only (no Ray, no torch, nothing from the supervisor).
 """
+
 from .engine import Decision, Engine, replay
 from .loader import BUILTINS, PolicyError, PolicyIssue, load_policy, load_policy_text
 from .schema import NotifySettings, Policy, RecoverySettings, Rule
 
 __all__ = [
-    "Policy", "RecoverySettings", "NotifySettings", "Rule", "load_policy", "load_policy_text",
-    "PolicyError", "PolicyIssue", "Engine", "Decision", "replay", "BUILTINS",
+    "BUILTINS",
+    "Decision",
+    "Engine",
+    "NotifySettings",
+    "Policy",
+    "PolicyError",
+    "PolicyIssue",
+    "RecoverySettings",
+    "Rule",
+    "load_policy",
+    "load_policy_text",
+    "replay",
 ]

@@ -3,6 +3,7 @@
 ``register(subparsers)`` adds the group to the main CLI; every handler returns an exit code:
 0 fine, 2 bad input (the one-line ``FILE:LINE:COL: path: message`` errors go to stderr).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,9 @@ import collections
 import gzip
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from .engine import Decision, replay
 from .explain import explain
@@ -23,9 +25,13 @@ EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
 def register(subparsers: Any) -> None:
     """Add ``policy check|schema|explain|replay`` to an argparse subparsers object."""
-    p = subparsers.add_parser("policy", help="check, explain and replay recovery policies",
-                              description="Work with policy files (or the built-in policies "
-                                          + ", ".join(BUILTINS) + ").")
+    p = subparsers.add_parser(
+        "policy",
+        help="check, explain and replay recovery policies",
+        description="Work with policy files (or the built-in policies "
+        + ", ".join(BUILTINS)
+        + ").",
+    )
     p.set_defaults(func=lambda args: (p.print_help(sys.stderr), EXIT_BAD_INPUT)[1])
     sub = p.add_subparsers(dest="policy_cmd", metavar="{check,schema,explain,replay}")
     c = sub.add_parser("check", help="validate a policy file (exit 0 ok, 2 with the error)")
@@ -36,9 +42,13 @@ def register(subparsers: Any) -> None:
     e = sub.add_parser("explain", help="say in plain words what a policy does")
     e.add_argument("file", help="a policy YAML file or a built-in name")
     e.set_defaults(func=cmd_explain)
-    r = sub.add_parser("replay", help="dry-run a policy over a recorded run: what would it have done?")
+    r = sub.add_parser(
+        "replay", help="dry-run a policy over a recorded run: what would it have done?"
+    )
     r.add_argument("file", help="a policy YAML file or a built-in name")
-    r.add_argument("source", nargs="+", help="a run directory (its reports.jsonl) or .jsonl(.gz) report files")
+    r.add_argument(
+        "source", nargs="+", help="a run directory (its reports.jsonl) or .jsonl(.gz) report files"
+    )
     r.add_argument("--json", action="store_true", help="one JSON object per decision")
     r.set_defaults(func=cmd_replay)
 
@@ -54,15 +64,19 @@ def _load(name: str) -> Policy | None:
 
 def _guard(fn: Any) -> Any:
     """Never a traceback for the user: unexpected errors become one line and exit 2."""
+
     def wrapper(args: argparse.Namespace) -> int:
         try:
             return fn(args)
         except BrokenPipeError:
             return EXIT_OK
-        except Exception as e:  # noqa: BLE001 - the CLI's last line of defence
-            print(f"spikeguard policy: internal error ({type(e).__name__}: {e}); please report it",
-                  file=sys.stderr)
+        except Exception as e:
+            print(
+                f"spikeguard policy: internal error ({type(e).__name__}: {e}); please report it",
+                file=sys.stderr,
+            )
             return EXIT_BAD_INPUT
+
     wrapper.__name__ = fn.__name__
     wrapper.__doc__ = fn.__doc__
     return wrapper
@@ -75,16 +89,22 @@ def cmd_check(args: argparse.Namespace) -> int:
     if policy is None:
         return EXIT_BAD_INPUT
     actions = collections.Counter(r.action for r in policy.rules)
-    print(f"{args.file}: ok — policy {policy.name!r}, {len(policy.rules)} rules ("
-          + ", ".join(f"{n} {a}" for a, n in sorted(actions.items())) + ")")
+    print(
+        f"{args.file}: ok — policy {policy.name!r}, {len(policy.rules)} rules ("
+        + ", ".join(f"{n} {a}" for a, n in sorted(actions.items()))
+        + ")"
+    )
     return EXIT_OK
 
 
 def policy_schema() -> dict[str, Any]:
     """The JSON Schema of policy files, derived from the pydantic models."""
     schema = Policy.model_json_schema()
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema",
-            "$id": "https://spikeguard.dev/schema/policy-v1.json", **schema}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://spikeguard.dev/schema/policy-v1.json",
+        **schema,
+    }
 
 
 @_guard
@@ -132,8 +152,10 @@ def _files(sources: list[str]) -> list[Path]:
         if p.is_dir():
             if not (p / "reports.jsonl").is_file():
                 found = sorted(x.name for x in p.glob("*.jsonl"))
-                raise FileNotFoundError(f"{p}: no reports.jsonl in this directory"
-                                        + (f" (found {', '.join(found)}: pass them as files)" if found else ""))
+                raise FileNotFoundError(
+                    f"{p}: no reports.jsonl in this directory"
+                    + (f" (found {', '.join(found)}: pass them as files)" if found else "")
+                )
             p = p / "reports.jsonl"
         elif not p.is_file():
             raise FileNotFoundError(f"{p}: no such file or run directory")
@@ -153,29 +175,37 @@ def load_messages(sources: list[str]) -> tuple[list[dict], list[str]]:
         m = item[1]
         t = m.get("at", m.get("t"))
         return t if isinstance(t, (int, float)) and not isinstance(t, bool) else float("inf")
+
     tagged.sort(key=when)  # stable: each file keeps its own order on ties
     return [m for _, m in tagged], src.bad_lines
 
 
 def _line(d: Decision) -> str:
     rank = "-" if d.rank is None else str(d.rank)
-    return (f"step {d.step:>6}  gen {d.generation}  rank {rank:>2}  {d.layer or '-':<16} {d.rule:<22} "
-            f"{d.action + (' (resolved)' if d.resolved else ''):<10}  {d.reason}")
+    return (
+        f"step {d.step:>6}  gen {d.generation}  rank {rank:>2}  {d.layer or '-':<16} {d.rule:<22} "
+        f"{d.action + (' (resolved)' if d.resolved else ''):<10}  {d.reason}"
+    )
 
 
 def summarize(policy: Policy, messages: list[dict], decisions: list[Decision]) -> str:
     steps = [m["step"] for m in messages if isinstance(m.get("step"), int) and m["step"] >= 0]
     gens = sorted({m.get("gen", 0) for m in messages if isinstance(m.get("gen", 0), int)})
     ranks = sorted({m["rank"] for m in messages if isinstance(m.get("rank"), int)})
-    head = (f"policy {policy.name!r} over {len(messages)} messages ({len(ranks)} rank"
-            f"{'s' if len(ranks) != 1 else ''}, generation{'s' if len(gens) != 1 else ''} "
-            f"{', '.join(map(str, gens)) or '-'}, steps {min(steps) if steps else '-'}..{max(steps) if steps else '-'})")
+    head = (
+        f"policy {policy.name!r} over {len(messages)} messages ({len(ranks)} rank"
+        f"{'s' if len(ranks) != 1 else ''}, generation{'s' if len(gens) != 1 else ''} "
+        f"{', '.join(map(str, gens)) or '-'}, steps {min(steps) if steps else '-'}..{max(steps) if steps else '-'})"
+    )
     if not decisions:
         return head + ": no decisions — the policy would have done nothing."
     counts = collections.Counter(d.action for d in decisions if not d.resolved)
     acted = next((d for d in decisions if d.action in ("recover", "stop")), None)
-    text = f"{head}: {len(decisions)} decision{'s' if len(decisions) != 1 else ''} (" + ", ".join(
-        f"{a} ×{n}" for a, n in sorted(counts.items())) + ")"
+    text = (
+        f"{head}: {len(decisions)} decision{'s' if len(decisions) != 1 else ''} ("
+        + ", ".join(f"{a} ×{n}" for a, n in sorted(counts.items()))
+        + ")"
+    )
     if acted:
         text += f"; first {acted.action} at step {acted.step} by rule {acted.rule!r}"
     return text + "."
@@ -193,8 +223,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"spikeguard policy replay: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if bad:
-        print(f"spikeguard policy replay: skipped {len(bad)} line(s) that are not JSON objects "
-              f"(first {bad[0]})", file=sys.stderr)
+        print(
+            f"spikeguard policy replay: skipped {len(bad)} line(s) that are not JSON objects "
+            f"(first {bad[0]})",
+            file=sys.stderr,
+        )
     decisions = replay(policy, messages)
     for d in decisions:
         print(json.dumps(d.to_dict(), sort_keys=True) if args.json else _line(d))

@@ -1,11 +1,19 @@
 """Condition models: the tests a rule applies to a rank's report stream."""
+
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Union
 
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
-from pydantic import BaseModel, BeforeValidator, Discriminator, Field, Tag, field_validator, model_validator
-from typing_extensions import Annotated
 
 from . import expr
 from .base import _Model
@@ -23,11 +31,13 @@ _KIND_KEYS = {
     ":all": ("all",),
     ":any": ("any",),
 }
-_ALL_CONDITION_KEYS = sorted({k for keys in _KIND_KEYS.values() for k in keys} | {"signal", "within", "window"})
+_ALL_CONDITION_KEYS = sorted(
+    {k for keys in _KIND_KEYS.values() for k in keys} | {"signal", "within", "window"}
+)
 
 
 class _Leaf(_Model):
-    def leaves(self) -> list["_Leaf"]:
+    def leaves(self) -> list[_Leaf]:
         return [self]
 
     def signals(self) -> set[str]:
@@ -48,8 +58,11 @@ def _number_or_grade(data: dict, keys: tuple[str, ...]) -> dict:
         v = data.get(key)
         if isinstance(v, str):
             if data.get("signal") != "grade":
-                fail(f"{show(v)} is not a number" + (" (grades S0…S7 only apply to the grade signal)"
-                                                       if v[:1] in "sS" else ""), key)
+                fail(
+                    f"{show(v)} is not a number"
+                    + (" (grades S0…S7 only apply to the grade signal)" if v[:1] in "sS" else ""),
+                    key,
+                )
             try:
                 data[key] = parse_grade(v)
             except PydanticCustomError:
@@ -62,9 +75,19 @@ class Threshold(_Leaf):
 
     signal: Signal
     """The signal to compare: a per-layer signal (grade, erank_ratio, attn_entropy_*, max_logit, logz_*) or loss, grad_norm, lr."""
-    below: Optional[float] = Field(None, json_schema_extra={"anyOf": [{"type": "number"}, {"type": "string", "pattern": "^S[0-7]$"}]})
+    below: float | None = Field(
+        None,
+        json_schema_extra={
+            "anyOf": [{"type": "number"}, {"type": "string", "pattern": "^S[0-7]$"}]
+        },
+    )
     """Fire while the value is < this (strict). For the grade signal write S0…S7."""
-    above: Optional[float] = Field(None, json_schema_extra={"anyOf": [{"type": "number"}, {"type": "string", "pattern": "^S[0-7]$"}]})
+    above: float | None = Field(
+        None,
+        json_schema_extra={
+            "anyOf": [{"type": "number"}, {"type": "string", "pattern": "^S[0-7]$"}]
+        },
+    )
     """Fire while the value is > this (strict)."""
 
     @model_validator(mode="before")
@@ -73,9 +96,12 @@ class Threshold(_Leaf):
         return _number_or_grade(data, ("below", "above")) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
-    def _one(self) -> "Threshold":
+    def _one(self) -> Threshold:
         if self.below is not None and self.above is not None:
-            fail("use either 'below' or 'above' (for a band, write any: with two conditions)", "above")
+            fail(
+                "use either 'below' or 'above' (for a band, write any: with two conditions)",
+                "above",
+            )
         for key in ("below", "above"):
             if getattr(self, key) is not None:
                 finite(getattr(self, key))
@@ -87,15 +113,15 @@ class Change(_Leaf):
 
     signal: Signal
     """The signal to watch."""
-    drops_by: Optional[float] = Field(None, gt=0)
+    drops_by: float | None = Field(None, gt=0)
     """Fire when the value is at least this much below the highest value in the window (≥, not >)."""
-    rises_by: Optional[float] = Field(None, gt=0)
+    rises_by: float | None = Field(None, gt=0)
     """Fire when the value is at least this much above the lowest value in the window."""
     within: DurationOf("samples", "steps") = Field("2 samples", validate_default=True)  # type: ignore[valid-type]
     """The window that includes the current value: '2 samples' compares two consecutive samples."""
 
     @model_validator(mode="after")
-    def _one(self) -> "Change":
+    def _one(self) -> Change:
         if (self.drops_by is None) == (self.rises_by is None):
             fail("use either 'drops_by' or 'rises_by'", "rises_by")
         if self.within.value < 2 and self.within.unit == "samples":
@@ -112,21 +138,23 @@ class Trailing(_Leaf):
     """The signal to watch."""
     window: DurationOf("samples", "steps")  # type: ignore[valid-type]
     """Trailing window the median is taken over (values before the current one); it must be full before the rule can fire."""
-    above_median: Optional[float] = Field(None, gt=0)
+    above_median: float | None = Field(None, gt=0)
     """Fire when value > this × median (e.g. 1.5 for a loss spike)."""
-    below_median: Optional[float] = Field(None, gt=0)
+    below_median: float | None = Field(None, gt=0)
     """Fire when value < this × median (e.g. 0.5 for an entropy collapse)."""
-    z_above: Optional[float] = Field(None, gt=0)
+    z_above: float | None = Field(None, gt=0)
     """Fire when (value − median) / (1.4826 × MAD) ≥ this. With a ratio, both must hold."""
-    z_below: Optional[float] = Field(None, gt=0)
+    z_below: float | None = Field(None, gt=0)
     """Fire when (median − value) / (1.4826 × MAD) ≥ this. With a ratio, both must hold."""
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Trailing":
+    def _consistent(self) -> Trailing:
         up = self.above_median is not None or self.z_above is not None
         down = self.below_median is not None or self.z_below is not None
         if up and down:
-            fail("a trailing test watches one direction: use above_median/z_above or below_median/z_below")
+            fail(
+                "a trailing test watches one direction: use above_median/z_above or below_median/z_below"
+            )
         if self.window.value < 3:
             fail("the window needs at least 3 values for a median", "window")
         return self
@@ -158,14 +186,16 @@ class Crash(_Leaf):
 class Hang(_Leaf):
     """Fires when the supervisor declares a rank hung (no heartbeat within its timeout)."""
 
-    hang: Union[Literal[True], DurationOf("seconds")]  # type: ignore[valid-type]
+    hang: Literal[True] | DurationOf("seconds")  # type: ignore[valid-type]
     """true for any hang the supervisor reports, or a minimum heartbeat age such as 5m."""
 
     @field_validator("hang", mode="before")
     @classmethod
     def _value(cls, v: Any) -> Any:
         if v is False:
-            fail("write 'hang: true' or a minimum heartbeat age like 'hang: 5m' (or remove the condition)")
+            fail(
+                "write 'hang: true' or a minimum heartbeat age like 'hang: 5m' (or remove the condition)"
+            )
         return v
 
     def cadence(self) -> frozenset[str]:
@@ -183,7 +213,7 @@ class _Group(_Model):
 class AllOf(_Group):
     """Fires when every listed condition holds on the same message."""
 
-    all: list["Condition"] = Field(min_length=1)
+    all: list[Condition] = Field(min_length=1)
     """Conditions that must all hold."""
 
     @property
@@ -193,12 +223,14 @@ class AllOf(_Group):
     def cadence(self) -> frozenset[str]:
         out = frozenset.intersection(*(c.cadence() for c in self.all))
         if not out:
-            fail("these conditions never arrive together (crash comes with exit messages, hang with "
-                 "hang messages, per-layer signals with reports): combine them with any: instead")
+            fail(
+                "these conditions never arrive together (crash comes with exit messages, hang with "
+                "hang messages, per-layer signals with reports): combine them with any: instead"
+            )
         return out
 
     @model_validator(mode="after")
-    def _together(self) -> "AllOf":
+    def _together(self) -> AllOf:
         self.cadence()
         return self
 
@@ -206,7 +238,7 @@ class AllOf(_Group):
 class AnyOf(_Group):
     """Fires when at least one listed condition holds."""
 
-    any: list["Condition"] = Field(min_length=1)
+    any: list[Condition] = Field(min_length=1)
     """Conditions of which one must hold."""
 
     @property
@@ -229,28 +261,43 @@ def _condition_input(v: Any) -> Any:
         for key in v:
             if key not in _ALL_CONDITION_KEYS:
                 fail(f"unknown field {show(key)}{suggest(key, _ALL_CONDITION_KEYS)}", key, key=True)
-        fail("a condition needs a test: below/above, drops_by/rises_by, above_median/below_median/"
-             "z_above/z_below, nonfinite, crash or hang, or a list under all:/any:")
+        fail(
+            "a condition needs a test: below/above, drops_by/rises_by, above_median/below_median/"
+            "z_above/z_below, nonfinite, crash or hang, or a list under all:/any:"
+        )
     if len({tag for tag, _ in kinds}) > 1:
         a, b = kinds[0][1], next(k for tag, k in kinds if tag != kinds[0][0])
-        fail(f"a condition tests one thing, found {a!r} and {b!r}: combine tests with all: or any:", b)
+        fail(
+            f"a condition tests one thing, found {a!r} and {b!r}: combine tests with all: or any:",
+            b,
+        )
     return v
 
 
 def _condition_kind(v: Any) -> str | None:
     if isinstance(v, dict):
         return next((tag for tag, keys in _KIND_KEYS.items() if any(k in v for k in keys)), None)
-    return {Threshold: ":threshold", Change: ":change", Trailing: ":trailing", NonFinite: ":nonfinite",
-            Crash: ":crash", Hang: ":hang", AllOf: ":all", AnyOf: ":any"}.get(type(v))
+    return {
+        Threshold: ":threshold",
+        Change: ":change",
+        Trailing: ":trailing",
+        NonFinite: ":nonfinite",
+        Crash: ":crash",
+        Hang: ":hang",
+        AllOf: ":all",
+        AnyOf: ":any",
+    }.get(type(v))
 
 
 _ConditionUnion = Annotated[
-    Union[
-        Annotated[Threshold, Tag(":threshold")], Annotated[Change, Tag(":change")],
-        Annotated[Trailing, Tag(":trailing")], Annotated[NonFinite, Tag(":nonfinite")],
-        Annotated[Crash, Tag(":crash")], Annotated[Hang, Tag(":hang")],
-        Annotated[AllOf, Tag(":all")], Annotated[AnyOf, Tag(":any")],
-    ],
+    Annotated[Threshold, Tag(":threshold")]
+    | Annotated[Change, Tag(":change")]
+    | Annotated[Trailing, Tag(":trailing")]
+    | Annotated[NonFinite, Tag(":nonfinite")]
+    | Annotated[Crash, Tag(":crash")]
+    | Annotated[Hang, Tag(":hang")]
+    | Annotated[AllOf, Tag(":all")]
+    | Annotated[AnyOf, Tag(":any")],
     Discriminator(_condition_kind),
 ]
 Condition = Annotated[

@@ -30,12 +30,14 @@ Semantics, per rule:
   the step clock carry over. Messages of an older generation are ignored, and so are messages
   of a generation passed to :meth:`Engine.retire` (the supervisor killed it).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
 import math
-from typing import Any, Iterable, Literal
+from collections.abc import Iterable
+from typing import Any, Literal
 
 from .evaluate import Context, Hit, Message, Series, evaluate, number
 from .schema import FractionOfRanks, Policy, RecoverySettings, Rule
@@ -135,7 +137,9 @@ class Engine:
                 if size is not None:
                     need = int(size.value) + 2
                     self._history[leaf.signal] = max(self._history.get(leaf.signal, 0), need)
-        self._fired: dict[int, tuple[int, float]] = {}  # rule -> (step clock, at) of the last firing
+        self._fired: dict[
+            int, tuple[int, float]
+        ] = {}  # rule -> (step clock, at) of the last firing
         self._progress = 0
         self._last_at = 0.0
         self._reset_generation()
@@ -172,7 +176,12 @@ class Engine:
             self.ignored += 1
             return None
         gen, rank = msg.get("gen", 0), msg.get("rank")
-        if not isinstance(gen, int) or isinstance(gen, bool) or not isinstance(rank, int) or isinstance(rank, bool):
+        if (
+            not isinstance(gen, int)
+            or isinstance(gen, bool)
+            or not isinstance(rank, int)
+            or isinstance(rank, bool)
+        ):
             self.ignored += 1
             return None
         if gen <= self.retired or (self.generation is not None and gen < self.generation):
@@ -183,7 +192,11 @@ class Engine:
                 self._reset_generation()
             self.generation = gen
         step = number(msg.get("step"))
-        if step is None or not math.isfinite(step) or (step < 0 and msg["type"] in ("exit", "hang")):
+        if (
+            step is None
+            or not math.isfinite(step)
+            or (step < 0 and msg["type"] in ("exit", "hang"))
+        ):
             if msg["type"] not in ("exit", "hang"):
                 self.ignored += 1
                 return None
@@ -229,7 +242,11 @@ class Engine:
                 if inst.last_step is not None and m.step <= inst.last_step:
                     continue  # this step was already evaluated (heartbeat, then the report)
                 inst.last_step = m.step
-            hit = None if c.warm_in > 0 and m.step < c.warm_in else evaluate(c.rule.when, Context(m, layer, self._series))
+            hit = (
+                None
+                if c.warm_in > 0 and m.step < c.warm_in
+                else evaluate(c.rule.when, Context(m, layer, self._series))
+            )
             if hit is None:
                 inst.count, inst.hit, inst.ready = 0, None, False
                 continue
@@ -263,8 +280,9 @@ class Engine:
                 return inst.hit
         return None
 
-    def _update(self, c: _Compiled, m: Message, key: tuple, hit: Hit | None, rank: int | None,
-                who: str) -> list[Decision]:
+    def _update(
+        self, c: _Compiled, m: Message, key: tuple, hit: Hit | None, rank: int | None, who: str
+    ) -> list[Decision]:
         group = self._groups.setdefault(key, _Group())
         rule = c.rule
         if hit is not None and not group.firing:
@@ -282,8 +300,18 @@ class Engine:
                 prev = group.hit
                 where = "the ranks" if key[1] is None else f"rank {key[1]}"
                 reason = f"resolved: {rule.name} no longer holds on {where}"
-                return [self._decision(c, m, reason, key[1], prev.layer if prev else None,
-                                       prev.signal if prev else None, None, resolved=True)]
+                return [
+                    self._decision(
+                        c,
+                        m,
+                        reason,
+                        key[1],
+                        prev.layer if prev else None,
+                        prev.signal if prev else None,
+                        None,
+                        resolved=True,
+                    )
+                ]
         return []
 
     def _cooling(self, c: _Compiled, m: Message) -> bool:
@@ -294,13 +322,33 @@ class Engine:
             return self._progress - last[0] < d.value
         return m.at - last[1] < d.value
 
-    def _decision(self, c: _Compiled, m: Message, reason: str, rank: int | None, layer: str | None,
-                  signal: str | None, value: float | None, resolved: bool = False) -> Decision:
+    def _decision(
+        self,
+        c: _Compiled,
+        m: Message,
+        reason: str,
+        rank: int | None,
+        layer: str | None,
+        signal: str | None,
+        value: float | None,
+        resolved: bool = False,
+    ) -> Decision:
         rule = c.rule
-        return Decision(rule=rule.name, action=rule.action, severity=rule.severity, reason=reason,
-                        rank=rank, layer=layer, step=m.step, signal=signal, value=value,
-                        generation=self.generation or 0, recovery=c.recovery, resolved=resolved,
-                        at=m.at)
+        return Decision(
+            rule=rule.name,
+            action=rule.action,
+            severity=rule.severity,
+            reason=reason,
+            rank=rank,
+            layer=layer,
+            step=m.step,
+            signal=signal,
+            value=value,
+            generation=self.generation or 0,
+            recovery=c.recovery,
+            resolved=resolved,
+            at=m.at,
+        )
 
 
 def replay(policy: Policy, messages: Iterable[dict]) -> list[Decision]:

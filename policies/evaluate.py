@@ -2,13 +2,15 @@
 
 Pure functions of a message and the series the engine keeps; no state of their own.
 """
+
 from __future__ import annotations
 
 import collections
 import dataclasses
 import math
 import statistics
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .conditions import AllOf, AnyOf, Change, Crash, Hang, NonFinite, Threshold, Trailing
 from .values import AGGREGATE, LAYER_SIGNALS, format_grade
@@ -48,7 +50,9 @@ class Message:
         layers = raw.get("layers")
         self.layers: dict[str, dict] = (
             {k: v for k, v in layers.items() if isinstance(k, str) and isinstance(v, dict)}
-            if isinstance(layers, dict) else {})
+            if isinstance(layers, dict)
+            else {}
+        )
 
     def value(self, signal: str, layer: str | None) -> float | None:
         if signal not in LAYER_SIGNALS:
@@ -78,7 +82,7 @@ class Message:
 class Series:
     """The recent (step, value) points of one signal on one rank and layer, in this generation."""
 
-    __slots__ = ("points", "first_step")
+    __slots__ = ("first_step", "points")
 
     def __init__(self, maxlen: int) -> None:
         self.points: collections.deque[tuple[int, float]] = collections.deque(maxlen=maxlen)
@@ -95,7 +99,9 @@ class Series:
         return [p for p in self.points if p[0] < step]
 
 
-def _window(series: Series | None, step: int, size: int, unit: str, need_full: bool) -> list[tuple[int, float]] | None:
+def _window(
+    series: Series | None, step: int, size: int, unit: str, need_full: bool
+) -> list[tuple[int, float]] | None:
     """Points before ``step`` inside the window, or None while the window is not yet full."""
     if series is None:
         return None
@@ -136,8 +142,12 @@ def evaluate(cond: Any, ctx: Context) -> Hit | None:
             if hit is None:
                 return None
             hits.append(hit)
-        return Hit(hits[0].signal, hits[0].value, next((h.layer for h in hits if h.layer), None),
-                   " and ".join(h.text for h in hits))
+        return Hit(
+            hits[0].signal,
+            hits[0].value,
+            next((h.layer for h in hits if h.layer), None),
+            " and ".join(h.text for h in hits),
+        )
     if kind is AnyOf:
         for c in cond.any:
             if ctx.msg.type in c.cadence():
@@ -167,9 +177,13 @@ def evaluate(cond: Any, ctx: Context) -> Hit | None:
         return None
     if kind is Threshold:
         if cond.below is not None and v < cond.below:
-            return Hit(signal, v, layer, f"{signal} {fmt(signal, v)} is below {fmt(signal, cond.below)}")
+            return Hit(
+                signal, v, layer, f"{signal} {fmt(signal, v)} is below {fmt(signal, cond.below)}"
+            )
         if cond.above is not None and v > cond.above:
-            return Hit(signal, v, layer, f"{signal} {fmt(signal, v)} is above {fmt(signal, cond.above)}")
+            return Hit(
+                signal, v, layer, f"{signal} {fmt(signal, v)} is above {fmt(signal, cond.above)}"
+            )
         return None
     if kind is Change:
         return _change(cond, ctx, v, layer)
@@ -189,13 +203,23 @@ def _change(cond: Change, ctx: Context, v: float, layer: str | None) -> Hit | No
     if cond.drops_by is not None:
         ref = max(pts, key=lambda p: p[1])
         if ref[1] - v >= cond.drops_by:
-            return Hit(s, v, layer, f"{s} fell from {fmt(s, ref[1])} to {fmt(s, v)} within {w} "
-                                    f"(steps {ref[0]}→{ctx.msg.step})")
+            return Hit(
+                s,
+                v,
+                layer,
+                f"{s} fell from {fmt(s, ref[1])} to {fmt(s, v)} within {w} "
+                f"(steps {ref[0]}→{ctx.msg.step})",
+            )
         return None
     ref = min(pts, key=lambda p: p[1])
     if v - ref[1] >= cond.rises_by:  # type: ignore[operator]
-        return Hit(s, v, layer, f"{s} rose from {fmt(s, ref[1])} to {fmt(s, v)} within {w} "
-                                f"(steps {ref[0]}→{ctx.msg.step})")
+        return Hit(
+            s,
+            v,
+            layer,
+            f"{s} rose from {fmt(s, ref[1])} to {fmt(s, v)} within {w} "
+            f"(steps {ref[0]}→{ctx.msg.step})",
+        )
     return None
 
 
@@ -229,6 +253,9 @@ def _trailing(cond: Trailing, ctx: Context, v: float, layer: str | None) -> Hit 
         ok = z >= cond.z_above if cond.z_above is not None else -z >= cond.z_below  # type: ignore[operator]
         if not ok:
             return None
-        parts.append(f"z-score {z:.3g} against the trailing median {fmt(s, med)} over {w}"
-                     if len(parts) == 0 else f"z-score {z:.3g}")
+        parts.append(
+            f"z-score {z:.3g} against the trailing median {fmt(s, med)} over {w}"
+            if len(parts) == 0
+            else f"z-score {z:.3g}"
+        )
     return Hit(s, v, layer, f"{s} {fmt(s, v)} is " + ", ".join(parts))

@@ -1,4 +1,5 @@
 """``policy explain``: a policy in plain words — what fires when, and what it does."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -47,8 +48,11 @@ def describe(cond: Any, layers: list[str] | None = None, nested: bool = False) -
     if isinstance(cond, Crash):
         return "a rank's process exits with a non-zero code"
     if isinstance(cond, Hang):
-        return ("the supervisor declares a rank hung (no heartbeat within its timeout)" if cond.hang is True
-                else f"a rank has sent no heartbeat for {cond.hang} or more")
+        return (
+            "the supervisor declares a rank hung (no heartbeat within its timeout)"
+            if cond.hang is True
+            else f"a rank has sent no heartbeat for {cond.hang} or more"
+        )
     s = _subject(cond.signal, layers)
     if isinstance(cond, NonFinite):
         return f"{s} is NaN or infinite"
@@ -68,11 +72,17 @@ def describe(cond: Any, layers: list[str] | None = None, nested: bool = False) -
         if cond.below_median is not None:
             parts.append(f"{s} falls below {cond.below_median:g}× {base}")
         if cond.z_above is not None:
-            parts.append(("with" if parts else f"{s} rises") + f" a robust z-score of {cond.z_above:g} or more"
-                         + ("" if parts else f" against {base}"))
+            parts.append(
+                ("with" if parts else f"{s} rises")
+                + f" a robust z-score of {cond.z_above:g} or more"
+                + ("" if parts else f" against {base}")
+            )
         if cond.z_below is not None:
-            parts.append(("with" if parts else f"{s} falls") + f" a robust z-score of −{cond.z_below:g} or less"
-                         + ("" if parts else f" against {base}"))
+            parts.append(
+                ("with" if parts else f"{s} falls")
+                + f" a robust z-score of −{cond.z_below:g} or less"
+                + ("" if parts else f" against {base}")
+            )
         return " ".join(parts)
     raise TypeError(type(cond).__name__)
 
@@ -90,8 +100,12 @@ def _scope(rule: Rule) -> str:
 
 
 def explain_rule(rule: Rule, policy: Policy, index: int) -> list[str]:
-    effect = {"notify": "notifies", "recover": "recovers (kill, roll back, resume)",
-              "checkpoint": "asks for a checkpoint now", "stop": "stops the job"}[rule.action]
+    effect = {
+        "notify": "notifies",
+        "recover": "recovers (kill, roll back, resume)",
+        "checkpoint": "asks for a checkpoint now",
+        "stop": "stops the job",
+    }[rule.action]
     lines = [f"{index}. {rule.name}: {effect}, severity {rule.severity}."]
     if rule.description:
         lines.append(f"   {rule.description.strip()}")
@@ -100,21 +114,32 @@ def explain_rule(rule: Rule, policy: Policy, index: int) -> list[str]:
         when += f", held for {rule.for_}"
     lines.append(when + ".")
     extra = []
-    warm = rule.warm_in.value if rule.warm_in is not None else (
-        policy.warm_in.value if rule.uses_layer_signals else 0)
-    extra.append(f"quiet before step {int(warm)} (warm-in)" if warm else "active from the first step")
+    warm = (
+        rule.warm_in.value
+        if rule.warm_in is not None
+        else (policy.warm_in.value if rule.uses_layer_signals else 0)
+    )
+    extra.append(
+        f"quiet before step {int(warm)} (warm-in)" if warm else "active from the first step"
+    )
     windows = [str(leaf.window) for leaf in rule.when.leaves() if isinstance(leaf, Trailing)]
     if windows:
-        extra.append(f"needs {' / '.join(sorted(set(windows)))} of history first, again after every relaunch")
+        extra.append(
+            f"needs {' / '.join(sorted(set(windows)))} of history first, again after every relaunch"
+        )
     if rule.cooldown is not None:
         extra.append(f"after firing, quiet for {rule.cooldown}")
     if rule.action == "notify":
-        extra.append("fires once per episode" + (", with a resolved message when it clears"
-                                                 if policy.notify.send_resolved else ""))
+        extra.append(
+            "fires once per episode"
+            + (", with a resolved message when it clears" if policy.notify.send_resolved else "")
+        )
     lines.append("   " + "; ".join(extra).capitalize() + ".")
     if rule.recovery is not None:
         changed = rule.recovery.model_dump(exclude_none=True)
-        lines.append("   Recovery for this rule: " + ", ".join(f"{k} {v}" for k, v in changed.items()) + ".")
+        lines.append(
+            "   Recovery for this rule: " + ", ".join(f"{k} {v}" for k, v in changed.items()) + "."
+        )
     return lines
 
 
@@ -122,15 +147,24 @@ def explain_recovery(rs: RecoverySettings) -> str:
     factors = ", ".join(f"{f:g}" for f in rs.lr_factors)
     parts = [
         f"kill the ranks and roll back to the newest checkpoint graded {format_grade(rs.min_grade)} or better"
-        + (f" and at least {rs.min_steps_back} steps before the incident" if rs.min_steps_back else ""),
-        "falling back to an older one when its checksum fails" if rs.fallback_on_corrupt
+        + (
+            f" and at least {rs.min_steps_back} steps before the incident"
+            if rs.min_steps_back
+            else ""
+        ),
+        "falling back to an older one when its checksum fails"
+        if rs.fallback_on_corrupt
         else "giving up when its checksum fails",
-        (f"multiply the LR by {factors} on every attempt" if len(rs.lr_factors) == 1 else
-         f"multiply the LR by {factors} on attempts 1..{len(rs.lr_factors)}"
-         + (" (the last repeats)" if len(rs.lr_factors) < rs.max_attempts else ""))
+        (
+            f"multiply the LR by {factors} on every attempt"
+            if len(rs.lr_factors) == 1
+            else f"multiply the LR by {factors} on attempts 1..{len(rs.lr_factors)}"
+            + (" (the last repeats)" if len(rs.lr_factors) < rs.max_attempts else "")
+        )
         + f", compounding (x{rs.lr_scale(rs.max_attempts):.3g} after {rs.max_attempts})",
         "reset the optimizer" if rs.reset_optimizer else "keep the optimizer state",
-        f"skip the batches of the {rs.skip_window} steps before the incident" if rs.skip_window
+        f"skip the batches of the {rs.skip_window} steps before the incident"
+        if rs.skip_window
         else "skip no data",
         f"then {rs.probation_steps} steps of probation" if rs.probation_steps else "no probation",
         f"at most {rs.max_attempts} attempt{'s' if rs.max_attempts != 1 else ''} per incident and "
@@ -145,16 +179,28 @@ def explain(policy: Policy) -> str:
     out = [f"Policy {policy.name!r} (version {policy.version}), {len(policy.rules)} rules."]
     if policy.description:
         out += ["", *("  " + line for line in policy.description.strip().splitlines())]
-    out += ["", f"Warm-in: rules on per-layer signals stay quiet before step {int(policy.warm_in.value)}.", ""]
+    out += [
+        "",
+        f"Warm-in: rules on per-layer signals stay quiet before step {int(policy.warm_in.value)}.",
+        "",
+    ]
     for i, rule in enumerate(policy.rules, 1):
         out += explain_rule(rule, policy, i)
     out += ["", explain_recovery(policy.recovery)]
     n = policy.notify
-    routes = "; ".join(f"{sev} → {', '.join(n.destinations(sev)) or 'nowhere'}" for sev in ("info", "warn", "page"))
+    routes = "; ".join(
+        f"{sev} → {', '.join(n.destinations(sev)) or 'nowhere'}" for sev in ("info", "warn", "page")
+    )
     slack = n.slack
     where = slack.channel or "$SPIKEGUARD_SLACK_CHANNEL"
-    out.append(f"Notifications: {routes}. Slack channel {where}"
-               + (f", pages mention {slack.mention}" if slack.mention else "")
-               + (f", repeated every {n.repeat_interval} while firing" if n.repeat_interval else ", never repeated")
-               + (", resolved messages sent." if n.send_resolved else ", no resolved messages."))
+    out.append(
+        f"Notifications: {routes}. Slack channel {where}"
+        + (f", pages mention {slack.mention}" if slack.mention else "")
+        + (
+            f", repeated every {n.repeat_interval} while firing"
+            if n.repeat_interval
+            else ", never repeated"
+        )
+        + (", resolved messages sent." if n.send_resolved else ", no resolved messages.")
+    )
     return "\n".join(out)

@@ -20,6 +20,7 @@ Examples: ``grade < S3``, ``attn_entropy_min_norm < 0.5 * median(20)``,
 ``grade drops by 3 within 2 samples``, ``loss is nonfinite or grad_norm is nonfinite``,
 ``crash or hang > 5m``. Comparisons are strict (``<`` and ``>`` only), like ``below``/``above``.
 """
+
 from __future__ import annotations
 
 import re
@@ -30,17 +31,20 @@ from .values import LAYER_SIGNALS, fail
 MAX_LENGTH = 500
 MAX_DEPTH = 16
 
-_TOKEN = re.compile(r"""
+_TOKEN = re.compile(
+    r"""
     (?P<space>\s+)
   | (?P<time>(?=\d)(?:\d+h)?(?:\d+m)?(?:\d+(?:\.\d+)?s)?(?<=[hms])(?![A-Za-z0-9_.]))
   | (?P<number>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?![A-Za-z_]))
   | (?P<name>[A-Za-z_][A-Za-z0-9_]*)
   | (?P<op><=|>=|==|!=|[<>*(),])
-""", re.VERBOSE)
+""",
+    re.VERBOSE,
+)
 
 
 class _Tok:
-    __slots__ = ("kind", "text", "pos")
+    __slots__ = ("kind", "pos", "text")
 
     def __init__(self, kind: str, text: str, pos: int) -> None:
         self.kind, self.text, self.pos = kind, text, pos
@@ -118,8 +122,13 @@ class _Parser:
         while self.accept("and"):
             part = self.factor(depth)
             prev = parts[-1]
-            if _trailing(prev) and _trailing(part) and prev["signal"] == part["signal"] \
-                    and prev["window"] == part["window"] and not set(prev) & set(part) - {"signal", "window"}:
+            if (
+                _trailing(prev)
+                and _trailing(part)
+                and prev["signal"] == part["signal"]
+                and prev["window"] == part["window"]
+                and not set(prev) & set(part) - {"signal", "window"}
+            ):
                 parts[-1] = {**prev, **part}  # 'x > 1.5 * median(W) and zscore(x, W) > 4': one test
             else:
                 parts.append(part)
@@ -153,7 +162,11 @@ class _Parser:
             z = self.number()
             if (op == ">") != (z > 0):
                 self.bad("write 'zscore(...) > N' (rise) or 'zscore(...) < -N' (fall)", num_tok)
-            return {"signal": signal, "z_above" if op == ">" else "z_below": abs(z), "window": window}
+            return {
+                "signal": signal,
+                "z_above" if op == ">" else "z_below": abs(z),
+                "window": window,
+            }
         signal = self.next().text
         if self.accept("is"):
             self.expect("nonfinite")
@@ -175,8 +188,11 @@ class _Parser:
             self.expect("(")
             window = self.window(signal)
             self.expect(")")
-            return {"signal": signal, "below_median" if op == "<" else "above_median": value,
-                    "window": window}
+            return {
+                "signal": signal,
+                "below_median" if op == "<" else "above_median": value,
+                "window": window,
+            }
         return {"signal": signal, "below" if op == "<" else "above": value}
 
     def comparison(self) -> str:

@@ -4,6 +4,7 @@ The YAML dialect is a safe, boring subset: only ``true``/``false`` are booleans 
 ``on``, ``off`` stay strings), ``1e-3`` is a float, ``010`` is ten, dates stay strings, duplicate
 keys are an error, and any tag beyond the plain types (``!!python/object``, ``!custom``) is refused.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,11 @@ MAX_NODES = 100_000
 
 _Y = "tag:yaml.org,2002:"
 _PLAIN_TAGS = {_Y + t for t in ("str", "int", "float", "bool", "null", "seq", "map")}
-_FLOAT_RE = re.compile(r"""^(?:[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?
-    |[-+]?[0-9]+[eE][-+]?[0-9]+|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X)
+_FLOAT_RE = re.compile(
+    r"""^(?:[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9]+[eE][-+]?[0-9]+|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
 _INT_RE = re.compile(r"^(?:[-+]?[0-9]+|0x[0-9a-fA-F]+|0o[0-7]+)$")
 
 
@@ -36,7 +40,11 @@ class _PolicyLoader(yaml.SafeLoader):
     """SafeLoader with YAML 1.2-style core resolvers and constructors."""
 
     yaml_implicit_resolvers: dict = {
-        k: [(tag, rx) for tag, rx in v if tag.rsplit(":", 1)[-1] not in ("bool", "float", "int", "timestamp")]
+        k: [
+            (tag, rx)
+            for tag, rx in v
+            if tag.rsplit(":", 1)[-1] not in ("bool", "float", "int", "timestamp")
+        ]
         for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
 
@@ -51,8 +59,9 @@ class _PolicyLoader(yaml.SafeLoader):
         return float(text.replace(".inf", "inf").replace(".nan", "nan"))
 
 
-_PolicyLoader.add_implicit_resolver(_Y + "bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                    list("tTfF"))
+_PolicyLoader.add_implicit_resolver(
+    _Y + "bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 _PolicyLoader.add_implicit_resolver(_Y + "int", _INT_RE, list("-+0123456789"))
 _PolicyLoader.add_implicit_resolver(_Y + "float", _FLOAT_RE, list("-+0123456789."))
 _PolicyLoader.add_constructor(_Y + "int", _PolicyLoader.construct_yaml_int)
@@ -81,7 +90,12 @@ class PolicyError(Exception):
         self.issues = issues
         first = issues[0]
         self.file, self.line, self.col, self.path, self.message = (
-            first.file, first.line, first.col, first.path, first.message)
+            first.file,
+            first.line,
+            first.col,
+            first.path,
+            first.message,
+        )
         super().__init__(str(first))
 
     def __str__(self) -> str:
@@ -112,13 +126,21 @@ class _Positions:
     def walk(self, node: yaml.Node, path: tuple) -> None:
         self.count += 1
         if self.count > MAX_NODES:
-            raise _fail(self.file, node.start_mark, f"the document has more than {MAX_NODES} nodes "
-                        "(too many aliases?)")
+            raise _fail(
+                self.file,
+                node.start_mark,
+                f"the document has more than {MAX_NODES} nodes (too many aliases?)",
+            )
         self.values.setdefault(path, node)
         if node.tag not in _PLAIN_TAGS:
             tag = node.tag.replace(_Y, "!!")
-            raise _fail(self.file, node.start_mark, f"tag {tag!r} is not allowed in a policy (only plain "
-                        "strings, numbers, true/false, null, lists and mappings)", format_path(path))
+            raise _fail(
+                self.file,
+                node.start_mark,
+                f"tag {tag!r} is not allowed in a policy (only plain "
+                "strings, numbers, true/false, null, lists and mappings)",
+                format_path(path),
+            )
         if isinstance(node, yaml.ScalarNode):
             problem = self.secrets and secret_problem(None, node.value)
             if problem:
@@ -130,17 +152,33 @@ class _Positions:
             seen: dict[Any, yaml.Node] = {}
             for key_node, value_node in node.value:
                 if key_node.tag == _Y + "merge":
-                    raise _fail(self.file, key_node.start_mark, "merge keys (<<) are not supported in a "
-                                "policy: write the keys out", format_path(path))
+                    raise _fail(
+                        self.file,
+                        key_node.start_mark,
+                        "merge keys (<<) are not supported in a policy: write the keys out",
+                        format_path(path),
+                    )
                 if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != _Y + "str":
-                    raise _fail(self.file, key_node.start_mark, "keys must be plain names, got "
-                                + (f"{key_node.value!r}" if isinstance(key_node, yaml.ScalarNode)
-                                   else "a list or mapping"), format_path(path))
+                    raise _fail(
+                        self.file,
+                        key_node.start_mark,
+                        "keys must be plain names, got "
+                        + (
+                            f"{key_node.value!r}"
+                            if isinstance(key_node, yaml.ScalarNode)
+                            else "a list or mapping"
+                        ),
+                        format_path(path),
+                    )
                 key = key_node.value
                 if key in seen:
-                    raise _fail(self.file, key_node.start_mark, f"duplicate key {key!r} (first at line "
-                                f"{seen[key].start_mark.line + 1}); YAML would silently keep the last one",
-                                format_path(path))
+                    raise _fail(
+                        self.file,
+                        key_node.start_mark,
+                        f"duplicate key {key!r} (first at line "
+                        f"{seen[key].start_mark.line + 1}); YAML would silently keep the last one",
+                        format_path(path),
+                    )
                 seen[key] = key_node
                 problem = self.secrets and secret_problem(key, None)
                 if problem:
@@ -159,9 +197,9 @@ class _Positions:
             if part == "<offset>" and rest:
                 offset = int(rest.pop(0))
                 continue
-            if isinstance(cur, dict) and part in cur:
-                cur, path = cur[part], path + (part,)
-            elif isinstance(cur, list) and isinstance(part, int) and 0 <= part < len(cur):
+            if (isinstance(cur, dict) and part in cur) or (
+                isinstance(cur, list) and isinstance(part, int) and 0 <= part < len(cur)
+            ):
                 cur, path = cur[part], path + (part,)
         node = self.values.get(path)
         if at_key or (isinstance(node, yaml.CollectionNode) and not node.flow_style):
@@ -208,7 +246,11 @@ def _message(err: dict) -> str:
         return f"expected {err['ctx']['expected']}, got {show(value)}"
     if kind == "string_pattern_mismatch":
         return f"{show(value)} is not a valid name (use letters, digits, - _ . :)"
-    if kind.endswith(("than", "than_equal")) or kind in ("too_short", "too_long", "string_too_short"):
+    if kind.endswith(("than", "than_equal")) or kind in (
+        "too_short",
+        "too_long",
+        "string_too_short",
+    ):
         return f"{msg.replace('Input should', 'must')}, got {show(value)}"
     return msg[0].lower() + msg[1:]
 
@@ -223,7 +265,8 @@ def _model_at(model: Any, loc: tuple) -> Any:
             tp = typing.get_args(tp)[0]
         elif isinstance(tp, type) and issubclass(tp, BaseModel):
             field = tp.model_fields.get(part) or next(
-                (f for f in tp.model_fields.values() if f.alias == part), None)
+                (f for f in tp.model_fields.values() if f.alias == part), None
+            )
             if field is not None:
                 tp = field.annotation
         elif origin is dict:
@@ -238,17 +281,24 @@ def _unwrap(tp: Any) -> Any:
             tp = typing.get_args(tp)[0]
         elif typing.get_origin(tp) in (typing.Union, types.UnionType):
             models = [a for a in typing.get_args(tp) if a is not type(None)]
-            tp = next((a for a in models if isinstance(a, type) and issubclass(a, BaseModel)), models[0])
+            tp = next(
+                (a for a in models if isinstance(a, type) and issubclass(a, BaseModel)), models[0]
+            )
         else:
             return tp
 
 
-def _from_validation(e: ValidationError, data: Any, pos: _Positions, file: str, model: Any,
-                     overridden: set[str]) -> PolicyError:
+def _from_validation(
+    e: ValidationError, data: Any, pos: _Positions, file: str, model: Any, overridden: set[str]
+) -> PolicyError:
     issues = []
     for err in e.errors(include_url=False):
-        loc = tuple(err["loc"]) + tuple(err.get("ctx", {}).get("at", ()) if err["type"] == "policy" else ())
-        at_key = err["type"] == "extra_forbidden" or (err["type"] == "policy" and err["ctx"].get("key"))
+        loc = tuple(err["loc"]) + tuple(
+            err.get("ctx", {}).get("at", ()) if err["type"] == "policy" else ()
+        )
+        at_key = err["type"] == "extra_forbidden" or (
+            err["type"] == "policy" and err["ctx"].get("key")
+        )
         message = _message(err)
         if err["type"] == "extra_forbidden" and loc:
             owner = _model_at(model, loc[:-1])
@@ -256,12 +306,19 @@ def _from_validation(e: ValidationError, data: Any, pos: _Positions, file: str, 
             message = f"unknown field {show(loc[-1])}{suggest(loc[-1], names)}"
         path = _display_path(loc)
         if loc and loc[0] in overridden:
-            issues.append(PolicyIssue(file, None, None, path, message + " (set on the command line)"))
+            issues.append(
+                PolicyIssue(file, None, None, path, message + " (set on the command line)")
+            )
             continue
         node, _, offset = pos.locate(loc, data, bool(at_key))
         mark = node.start_mark if node is not None else None
         line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
-        if offset and isinstance(node, yaml.ScalarNode) and col is not None and mark.line == node.end_mark.line:
+        if (
+            offset
+            and isinstance(node, yaml.ScalarNode)
+            and col is not None
+            and mark.line == node.end_mark.line
+        ):
             col += offset + (1 if node.style in ("'", '"') else 0)
         issues.append(PolicyIssue(file, line, col, path, message))
     issues.sort(key=lambda i: (i.line or 0, i.col or 0))
@@ -290,7 +347,11 @@ def _parse(text: str, filename: str, secrets: bool) -> tuple[dict, _Positions]:
     finally:
         loader.dispose()
     if not isinstance(data, dict):
-        raise _fail(filename, node.start_mark, f"expected a mapping (key: value) at the top level, got {show(data)}")
+        raise _fail(
+            filename,
+            node.start_mark,
+            f"expected a mapping (key: value) at the top level, got {show(data)}",
+        )
     return data, pos
 
 
@@ -299,8 +360,14 @@ def load_yaml_text(text: str, filename: str = "<string>") -> dict[str, Any]:
     return _parse(text, filename, secrets=False)[0]
 
 
-def load_model_text(model: type[M], text: str, filename: str = "<string>", *,
-                    overrides: dict[str, Any] | None = None, secrets: bool = False) -> M:
+def load_model_text(
+    model: type[M],
+    text: str,
+    filename: str = "<string>",
+    *,
+    overrides: dict[str, Any] | None = None,
+    secrets: bool = False,
+) -> M:
     """Validate YAML ``text`` against any pydantic ``model`` with this module's safe loader.
 
     ``overrides`` replace top-level fields (command-line flags); errors in them say so instead
@@ -315,8 +382,13 @@ def load_model_text(model: type[M], text: str, filename: str = "<string>", *,
         raise _from_validation(e, data, pos, filename, model, set(overrides)) from None
 
 
-def load_model_file(model: type[M], path: str | Path, *, overrides: dict[str, Any] | None = None,
-                    secrets: bool = False) -> M:
+def load_model_file(
+    model: type[M],
+    path: str | Path,
+    *,
+    overrides: dict[str, Any] | None = None,
+    secrets: bool = False,
+) -> M:
     """:func:`load_model_text` on a file; unreadable files raise :class:`PolicyError` too."""
     return load_model_text(model, _read(path), str(path), overrides=overrides, secrets=secrets)
 
@@ -334,7 +406,9 @@ def _read(path: str | Path, hint: str = "") -> str:
     except IsADirectoryError:
         raise _fail(str(path), None, "is a directory, not a file") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise _fail(str(path), None, f"cannot read: {e.strerror if isinstance(e, OSError) else e}") from None
+        raise _fail(
+            str(path), None, f"cannot read: {e.strerror if isinstance(e, OSError) else e}"
+        ) from None
 
 
 def builtin_path(name: str) -> Any:
@@ -352,5 +426,13 @@ def load_policy(source: str | Path) -> Policy:
     return load_policy_text(_read(source, hint), str(source))
 
 
-__all__ = ["load_policy", "load_policy_text", "load_model_file", "load_model_text", "load_yaml_text", "PolicyError",
-           "PolicyIssue", "BUILTINS"]
+__all__ = [
+    "BUILTINS",
+    "PolicyError",
+    "PolicyIssue",
+    "load_model_file",
+    "load_model_text",
+    "load_policy",
+    "load_policy_text",
+    "load_yaml_text",
+]

@@ -4,27 +4,62 @@ Every model forbids unknown fields (with a did-you-mean hint) and documents each
 docstrings become the JSON Schema descriptions (``spikeguard policy schema``). The condition
 models live in :mod:`.conditions`.
 """
+
 from __future__ import annotations
 
 import math
 import os
 import re
-from typing import Any, ClassVar, Literal, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BeforeValidator, Discriminator, Field, Tag, WithJsonSchema, field_validator, model_validator
-from typing_extensions import Annotated
+from pydantic import (
+    BeforeValidator,
+    Discriminator,
+    Field,
+    Tag,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from .base import _Model
 from .conditions import AllOf, AnyOf, Change, Condition, Crash, Hang, NonFinite, Threshold, Trailing
 from .values import (
-    LAYER_SIGNALS, Action, Destination, DurationOf, Grade, Severity, StepCount, StrictBool, fail,
-    find_secret, show, suggest,
+    LAYER_SIGNALS,
+    Action,
+    Destination,
+    DurationOf,
+    Grade,
+    Severity,
+    StepCount,
+    StrictBool,
+    fail,
+    find_secret,
+    show,
+    suggest,
 )
 
 __all__ = [
-    "Policy", "Rule", "RecoverySettings", "RecoveryOverrides", "NotifySettings", "SlackSettings",
-    "Routes", "FractionOfRanks", "AtLeastRanks", "Condition", "Threshold", "Change", "Trailing",
-    "NonFinite", "Crash", "Hang", "AllOf", "AnyOf", "DEFAULT_SEVERITY",
+    "DEFAULT_SEVERITY",
+    "AllOf",
+    "AnyOf",
+    "AtLeastRanks",
+    "Change",
+    "Condition",
+    "Crash",
+    "FractionOfRanks",
+    "Hang",
+    "NonFinite",
+    "NotifySettings",
+    "Policy",
+    "RecoveryOverrides",
+    "RecoverySettings",
+    "Routes",
+    "Rule",
+    "SlackSettings",
+    "Threshold",
+    "Trailing",
 ]
 
 DEFAULT_SEVERITY = {"notify": "warn", "recover": "warn", "checkpoint": "info", "stop": "page"}
@@ -48,13 +83,20 @@ class AtLeastRanks(_Model):
 
 def _scope_input(v: Any) -> Any:
     if isinstance(v, str) and v not in ("any", "all"):
-        fail(f"unknown rank scope {show(v)}{suggest(v, ('any', 'all'))}; expected 'any', 'all', "
-             "{fraction: 0.5} or {at_least: 2}")
+        fail(
+            f"unknown rank scope {show(v)}{suggest(v, ('any', 'all'))}; expected 'any', 'all', "
+            "{fraction: 0.5} or {at_least: 2}"
+        )
     if isinstance(v, dict) and len(v) == 1 and next(iter(v)) not in ("fraction", "at_least"):
         key = next(iter(v))
-        fail(f"unknown rank scope {show(key)}{suggest(key, ('fraction', 'at_least'))}; expected "
-             "'any', 'all', {fraction: 0.5} or {at_least: 2}", key)
-    if not isinstance(v, (str, dict, FractionOfRanks, AtLeastRanks)) or (isinstance(v, dict) and len(v) != 1):
+        fail(
+            f"unknown rank scope {show(key)}{suggest(key, ('fraction', 'at_least'))}; expected "
+            "'any', 'all', {fraction: 0.5} or {at_least: 2}",
+            key,
+        )
+    if not isinstance(v, (str, dict, FractionOfRanks, AtLeastRanks)) or (
+        isinstance(v, dict) and len(v) != 1
+    ):
         fail(f"expected 'any', 'all', {{fraction: 0.5}} or {{at_least: 2}}, got {show(v)}")
     return v
 
@@ -68,9 +110,11 @@ def _scope_kind(v: Any) -> str:
 
 
 RankScope = Annotated[
-    Union[Annotated[Literal["any", "all"], Tag(":name")], Annotated[FractionOfRanks, Tag(":fraction")],
-          Annotated[AtLeastRanks, Tag(":at_least")]],
-    Discriminator(_scope_kind), BeforeValidator(_scope_input),
+    Annotated[Literal["any", "all"], Tag(":name")]
+    | Annotated[FractionOfRanks, Tag(":fraction")]
+    | Annotated[AtLeastRanks, Tag(":at_least")],
+    Discriminator(_scope_kind),
+    BeforeValidator(_scope_input),
 ]
 
 # --- recovery -----------------------------------------------------------------------------
@@ -82,18 +126,40 @@ def _lr_factors(v: Any) -> Any:
     if not isinstance(v, list) or not v:
         fail(f"expected a non-empty list of factors like [0.5, 0.3], got {show(v)}")
     for i, f in enumerate(v):
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (0 < f <= 1) or not math.isfinite(f):
-            fail(f"each LR factor must be in (0, 1] (it multiplies the learning rate), got {show(f)}", i)
+        if (
+            isinstance(f, bool)
+            or not isinstance(f, (int, float))
+            or not (0 < f <= 1)
+            or not math.isfinite(f)
+        ):
+            fail(
+                f"each LR factor must be in (0, 1] (it multiplies the learning rate), got {show(f)}",
+                i,
+            )
     return [float(f) for f in v]
 
 
 _FACTOR_SCHEMA = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
-LrFactors = Annotated[list[float], BeforeValidator(_lr_factors), WithJsonSchema(
-    {"anyOf": [_FACTOR_SCHEMA, {"type": "array", "items": _FACTOR_SCHEMA, "minItems": 1}]})]
+LrFactors = Annotated[
+    list[float],
+    BeforeValidator(_lr_factors),
+    WithJsonSchema(
+        {"anyOf": [_FACTOR_SCHEMA, {"type": "array", "items": _FACTOR_SCHEMA, "minItems": 1}]}
+    ),
+]
 Attempts = Annotated[int, Field(ge=1)]
-OnExhausted = Annotated[Literal["stop", "hold"], BeforeValidator(
-    lambda v: v if v in ("stop", "hold") else fail(
-        f"unknown value {show(v)}{suggest(v, ('stop', 'hold'))}; expected 'stop' or 'hold'"))]
+OnExhausted = Annotated[
+    Literal["stop", "hold"],
+    BeforeValidator(
+        lambda v: (
+            v
+            if v in ("stop", "hold")
+            else fail(
+                f"unknown value {show(v)}{suggest(v, ('stop', 'hold'))}; expected 'stop' or 'hold'"
+            )
+        )
+    ),
+]
 
 
 class RecoverySettings(_Model):
@@ -136,25 +202,25 @@ class RecoverySettings(_Model):
 class RecoveryOverrides(_Model):
     """Per-rule changes to the policy's recovery settings; omitted fields keep the policy's value."""
 
-    min_grade: Optional[Grade] = None
+    min_grade: Grade | None = None
     """Override of recovery.min_grade."""
-    min_steps_back: Optional[StepCount] = None
+    min_steps_back: StepCount | None = None
     """Override of recovery.min_steps_back."""
-    fallback_on_corrupt: Optional[StrictBool] = None
+    fallback_on_corrupt: StrictBool | None = None
     """Override of recovery.fallback_on_corrupt."""
-    lr_factors: Optional[LrFactors] = None
+    lr_factors: LrFactors | None = None
     """Override of recovery.lr_factors."""
-    reset_optimizer: Optional[StrictBool] = None
+    reset_optimizer: StrictBool | None = None
     """Override of recovery.reset_optimizer."""
-    skip_window: Optional[StepCount] = None
+    skip_window: StepCount | None = None
     """Override of recovery.skip_window."""
-    probation_steps: Optional[StepCount] = None
+    probation_steps: StepCount | None = None
     """Override of recovery.probation_steps."""
-    max_attempts: Optional[Attempts] = None
+    max_attempts: Attempts | None = None
     """Override of recovery.max_attempts."""
-    max_incidents: Optional[Attempts] = None
+    max_incidents: Attempts | None = None
     """Override of recovery.max_incidents."""
-    on_exhausted: Optional[OnExhausted] = None
+    on_exhausted: OnExhausted | None = None
     """Override of recovery.on_exhausted."""
 
 
@@ -174,8 +240,14 @@ def _layers(v: Any) -> Any:
 class Rule(_Model):
     """When a condition holds (long enough, outside warm-in and cooldown), take an action."""
 
-    _hints: ClassVar[dict[str, str]] = {"expr": "when", "alert": "name", "labels": "severity",
-                                        "condition": "when", "if": "when", "then": "action"}
+    _hints: ClassVar[dict[str, str]] = {
+        "expr": "when",
+        "alert": "name",
+        "labels": "severity",
+        "condition": "when",
+        "if": "when",
+        "then": "action",
+    }
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$", max_length=80)
     """Unique name of the rule (letters, digits, - _ . :), shown in every decision."""
@@ -183,21 +255,24 @@ class Rule(_Model):
     """What the rule is for; shown by `policy explain`."""
     when: Condition
     """The condition: a mapping (one test, or all:/any: lists) or a compact string like 'grade < S3'."""
-    layers: Optional[Annotated[list[str], BeforeValidator(_layers, json_schema_input_type=Union[str, list[str]])]] = None
+    layers: (
+        Annotated[list[str], BeforeValidator(_layers, json_schema_input_type=Union[str, list[str]])]
+        | None
+    ) = None
     """Glob(s) on layer names: each matching layer is tested on its own. Omitted: the rank's summary over all layers (min grade/entropy, max logit)."""
     ranks: RankScope = "any"
     """How many ranks must hold the condition: any, all, {fraction: 0.5} or {at_least: 2}."""
-    for_: Optional[DurationOf("samples", "steps", "seconds")] = Field(None, alias="for")  # type: ignore[valid-type]
+    for_: DurationOf("samples", "steps", "seconds") | None = Field(None, alias="for")  # type: ignore[valid-type]
     """Persistence: the condition must hold for this long before firing ('2 samples', '20 steps', '30s'). Omitted: fire at once."""
-    cooldown: Optional[DurationOf("steps", "seconds")] = None  # type: ignore[valid-type]
+    cooldown: DurationOf("steps", "seconds") | None = None  # type: ignore[valid-type]
     """After firing, the rule stays quiet for this long (steps of training seen, or time); it carries across relaunches."""
-    warm_in: Optional[DurationOf("steps")] = None  # type: ignore[valid-type]
+    warm_in: DurationOf("steps") | None = None  # type: ignore[valid-type]
     """No firing before this training step. Omitted: the policy's warm_in for rules on per-layer signals, none otherwise."""
     action: Action
     """notify, recover, checkpoint (save one now) or stop."""
     severity: Severity = None  # type: ignore[assignment]  # filled from the action before validation
     """info, warn or page. Omitted: warn for notify and recover, info for checkpoint, page for stop."""
-    recovery: Optional[RecoveryOverrides] = None
+    recovery: RecoveryOverrides | None = None
     """Overrides of the policy's recovery settings for this rule (action: recover only)."""
 
     @model_validator(mode="before")
@@ -206,17 +281,28 @@ class Rule(_Model):
         if isinstance(data, dict) and "severity" not in data:
             # an unknown action gets its own error; do not add a second one about severity
             action = data.get("action")
-            data = {**data, "severity": DEFAULT_SEVERITY.get(action, "warn") if isinstance(action, str) else "warn"}
+            data = {
+                **data,
+                "severity": DEFAULT_SEVERITY.get(action, "warn")
+                if isinstance(action, str)
+                else "warn",
+            }
         return data
 
     @model_validator(mode="after")
-    def _coherent(self) -> "Rule":
+    def _coherent(self) -> Rule:
         if self.recovery is not None and self.action != "recover":
-            fail(f"'recovery' overrides only apply to action: recover (this rule does {self.action})",
-                 "recovery")
+            fail(
+                f"'recovery' overrides only apply to action: recover (this rule does {self.action})",
+                "recovery",
+            )
         if self.layers is not None and not (self.when.signals() & set(LAYER_SIGNALS)):
-            fail("'layers' only applies to per-layer signals (" + ", ".join(LAYER_SIGNALS)
-                 + "); this condition reads none", "layers")
+            fail(
+                "'layers' only applies to per-layer signals ("
+                + ", ".join(LAYER_SIGNALS)
+                + "); this condition reads none",
+                "layers",
+            )
         if self.for_ is not None and self.when.cadence() <= {"exit", "hang"}:
             fail("'for' does not apply to crash and hang: they are events, not levels", "for")
         return self
@@ -235,17 +321,22 @@ def _url(v: Any) -> Any:
     return v
 
 
-Url = Annotated[Optional[str], BeforeValidator(_url)]
-Destinations = Annotated[list[Destination], BeforeValidator(
-    lambda v: [v] if isinstance(v, str) else v, json_schema_input_type=Union[Destination, list[Destination]])]
+Url = Annotated[str | None, BeforeValidator(_url)]
+Destinations = Annotated[
+    list[Destination],
+    BeforeValidator(
+        lambda v: [v] if isinstance(v, str) else v,
+        json_schema_input_type=Union[Destination, list[Destination]],
+    ),
+]
 
 
 class SlackSettings(_Model):
     """Where Slack messages go. The token never goes here: set SLACK_BOT_TOKEN or SPIKEGUARD_SLACK_WEBHOOK_URL."""
 
-    channel: Optional[str] = Field(None, min_length=1)
+    channel: str | None = Field(None, min_length=1)
     """Channel name or id such as '#training-alerts'. Omitted: $SPIKEGUARD_SLACK_CHANNEL."""
-    mention: Optional[str] = Field(None, min_length=1)
+    mention: str | None = Field(None, min_length=1)
     """On-call user or group id (U…/S…) mentioned on page-severity messages."""
     runbook_url: Url = None
     """Link to the runbook, added to every message."""
@@ -274,7 +365,7 @@ class NotifySettings(_Model):
     """Slack channel, on-call mention and links (no secrets)."""
     routes: Routes = Routes()
     """Which destinations each severity goes to."""
-    repeat_interval: Optional[DurationOf("seconds")] = Field("4h", validate_default=True)  # type: ignore[valid-type]
+    repeat_interval: DurationOf("seconds") | None = Field("4h", validate_default=True)  # type: ignore[valid-type]
     """Repeat a still-firing notification this often ('4h'); null never repeats."""
     send_resolved: StrictBool = True
     """Send a message when a notify rule's condition clears."""
@@ -321,13 +412,16 @@ class Policy(_Model):
         return data
 
     @model_validator(mode="after")
-    def _rules(self) -> "Policy":
+    def _rules(self) -> Policy:
         if not self.rules:
             fail("a policy needs at least one rule", "rules")
         seen: dict[str, int] = {}
         for i, rule in enumerate(self.rules):
             if rule.name in seen:
-                fail(f"duplicate rule name {rule.name!r} (also rules[{seen[rule.name]}])", ("rules", i, "name"))
+                fail(
+                    f"duplicate rule name {rule.name!r} (also rules[{seen[rule.name]}])",
+                    ("rules", i, "name"),
+                )
             seen[rule.name] = i
         return self
 

@@ -10,6 +10,7 @@ keeps time-based durations easy to reason about in tests::
     msgs = [heartbeat(0, s, loss=2.0) for s in range(100)] + [heartbeat(0, 100, loss=float("nan"))]
     assert [d.rule for d in replay(load_policy("default"), msgs)] == ["non-finite"]
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,25 +19,61 @@ from .values import AGGREGATE
 
 
 def _base(kind: str, rank: int, step: int, gen: int, at: float | None) -> dict[str, Any]:
-    return {"v": 1, "type": kind, "run": "test", "gen": gen, "rank": rank, "step": step,
-            "t": 1.7e9 + step, "at": float(max(step, 0)) if at is None else at}
+    return {
+        "v": 1,
+        "type": kind,
+        "run": "test",
+        "gen": gen,
+        "rank": rank,
+        "step": step,
+        "t": 1.7e9 + step,
+        "at": float(max(step, 0)) if at is None else at,
+    }
 
 
-def hello(rank: int = 0, *, world_size: int = 1, step: int = 0, gen: int = 0,
-          at: float | None = None) -> dict[str, Any]:
-    return {**_base("hello", rank, step, gen, at), "world_size": world_size, "pid": 1000 + rank,
-            "host": "test", "sample_every": 1}
+def hello(
+    rank: int = 0, *, world_size: int = 1, step: int = 0, gen: int = 0, at: float | None = None
+) -> dict[str, Any]:
+    return {
+        **_base("hello", rank, step, gen, at),
+        "world_size": world_size,
+        "pid": 1000 + rank,
+        "host": "test",
+        "sample_every": 1,
+    }
 
 
-def heartbeat(rank: int, step: int, *, loss: float | None = 2.0, grad_norm: float | None = 1.0,
-              lr: float | None = 1e-3, gen: int = 0, at: float | None = None) -> dict[str, Any]:
-    return {**_base("heartbeat", rank, step, gen, at), "loss": loss, "lr": lr, "grad_norm": grad_norm}
+def heartbeat(
+    rank: int,
+    step: int,
+    *,
+    loss: float | None = 2.0,
+    grad_norm: float | None = 1.0,
+    lr: float | None = 1e-3,
+    gen: int = 0,
+    at: float | None = None,
+) -> dict[str, Any]:
+    return {
+        **_base("heartbeat", rank, step, gen, at),
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+    }
 
 
-def report(rank: int, step: int, layers: dict[str, dict[str, float]] | None = None, *,
-           summary: dict[str, Any] | None = None, loss: float | None = 2.0,
-           grad_norm: float | None = 1.0, lr: float | None = 1e-3, gen: int = 0,
-           at: float | None = None, **signals: float) -> dict[str, Any]:
+def report(
+    rank: int,
+    step: int,
+    layers: dict[str, dict[str, float]] | None = None,
+    *,
+    summary: dict[str, Any] | None = None,
+    loss: float | None = 2.0,
+    grad_norm: float | None = 1.0,
+    lr: float | None = 1e-3,
+    gen: int = 0,
+    at: float | None = None,
+    **signals: float,
+) -> dict[str, Any]:
     """A sampled report. ``report(0, 500, grade=6)`` puts the keyword signals on one layer
     ``blocks.0``; pass ``layers`` for several. The summary is aggregated as the SDK does."""
     if layers is None:
@@ -50,16 +87,26 @@ def report(rank: int, step: int, layers: dict[str, dict[str, float]] | None = No
         grades = {name: d["grade"] for name, d in layers.items() if d.get("grade") is not None}
         if grades:
             summary["worst_layer"] = min(grades, key=lambda n: grades[n])
-    return {**_base("report", rank, step, gen, at), "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            "layers": layers, "summary": summary}
+    return {
+        **_base("report", rank, step, gen, at),
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "layers": layers,
+        "summary": summary,
+    }
 
 
-def exit_(rank: int, code: int, *, step: int = -1, gen: int = 0, at: float | None = None) -> dict[str, Any]:
+def exit_(
+    rank: int, code: int, *, step: int = -1, gen: int = 0, at: float | None = None
+) -> dict[str, Any]:
     """The supervisor's ``exit`` message (``step`` -1: the rank never reported one)."""
     return {**_base("exit", rank, step, gen, at), "code": code}
 
 
-def hang(rank: int, age_s: float, *, step: int = -1, gen: int = 0, at: float | None = None) -> dict[str, Any]:
+def hang(
+    rank: int, age_s: float, *, step: int = -1, gen: int = 0, at: float | None = None
+) -> dict[str, Any]:
     """The supervisor's ``hang`` message."""
     return {**_base("hang", rank, step, gen, at), "age_s": age_s}
 

@@ -3,30 +3,38 @@
 Every validator here raises :func:`fail`, a ``PydanticCustomError`` whose message is already
 the final human sentence; the loader adds the file position and the field path in front.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import math
 import re
-from typing import Any, Literal, NoReturn
+from typing import Annotated, Any, Literal, NoReturn
 
 from pydantic import BeforeValidator, PlainSerializer, PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
-from typing_extensions import Annotated
 
 # --- signals ------------------------------------------------------------------------------
 
 LAYER_SIGNALS = (
-    "erank_ratio", "grade", "attn_entropy_mean", "attn_entropy_min",
-    "attn_entropy_min_norm", "max_logit", "logz_mean", "logz_max",
+    "erank_ratio",
+    "grade",
+    "attn_entropy_mean",
+    "attn_entropy_min",
+    "attn_entropy_min_norm",
+    "max_logit",
+    "logz_mean",
+    "logz_max",
 )
 """Per-layer signals of a sampled ``report`` (mirrors ``workers.contract.SIGNALS``)."""
 STEP_SIGNALS = ("loss", "grad_norm", "lr")
 """Per-rank signals of every ``heartbeat`` (and of every ``report``)."""
 SIGNALS = LAYER_SIGNALS + STEP_SIGNALS
 
-AGGREGATE = {s: ("max" if s == "max_logit" or s.startswith("logz") else "min") for s in LAYER_SIGNALS}
+AGGREGATE = {
+    s: ("max" if s == "max_logit" or s.startswith("logz") else "min") for s in LAYER_SIGNALS
+}
 """How the rank's ``summary`` aggregates a layer signal over layers (per the contract)."""
 
 
@@ -94,8 +102,10 @@ def _strict_bool(v: Any) -> bool:
     if v is True or v is False:
         return v
     if isinstance(v, str) and v.lower() in ("yes", "no", "on", "off", "y", "n"):
-        fail(f"expected true or false, got {show(v)} (YAML 1.1 spellings like yes/no/on/off are"
-             " plain strings in a policy)")
+        fail(
+            f"expected true or false, got {show(v)} (YAML 1.1 spellings like yes/no/on/off are"
+            " plain strings in a policy)"
+        )
     fail(f"expected true or false, got {show(v)}")
 
 
@@ -123,9 +133,18 @@ def format_grade(g: float) -> str:
     return f"S{int(g)}" if float(g).is_integer() else f"{g:g}"
 
 
-Grade = Annotated[int, PlainValidator(parse_grade), WithJsonSchema(
-    {"anyOf": [{"type": "string", "pattern": GRADE_PATTERN},
-               {"type": "integer", "minimum": 0, "maximum": 7}]})]
+Grade = Annotated[
+    int,
+    PlainValidator(parse_grade),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "pattern": GRADE_PATTERN},
+                {"type": "integer", "minimum": 0, "maximum": 7},
+            ]
+        }
+    ),
+]
 
 # --- durations ----------------------------------------------------------------------------
 
@@ -166,9 +185,14 @@ def parse_duration(v: Any, units: tuple[str, ...]) -> Duration:
         h, mi, s = m.groups()
         d = Duration(int(h or 0) * 3600 + int(mi or 0) * 60 + float(s or 0), "seconds")
     else:
-        fail(f"expected a duration like {_examples(units)}, got {show(v)}"
-             + (" (a bare number is ambiguous: add a unit)" if isinstance(v, (int, float))
-                and not isinstance(v, bool) else ""))
+        fail(
+            f"expected a duration like {_examples(units)}, got {show(v)}"
+            + (
+                " (a bare number is ambiguous: add a unit)"
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+                else ""
+            )
+        )
     if d.unit not in units:
         fail(f"{str(d)!r} is measured in {d.unit}; here write {_examples(units)}")
     return d
@@ -181,8 +205,10 @@ def _examples(units: tuple[str, ...]) -> str:
 
 def DurationOf(*units: str) -> Any:
     """A :class:`Duration` field that accepts only the given units."""
-    patterns = [{"type": "string", "pattern": _COUNT_PATTERN[u] if u != "seconds" else _TIME_PATTERN}
-                for u in units]
+    patterns = [
+        {"type": "string", "pattern": _COUNT_PATTERN[u] if u != "seconds" else _TIME_PATTERN}
+        for u in units
+    ]
     return Annotated[
         Duration,
         PlainValidator(lambda v: parse_duration(v, units)),
@@ -201,8 +227,18 @@ def _step_count(v: Any) -> int:
     fail(f"expected a number of steps like 200 or '200 steps', got {show(v)}")
 
 
-StepCount = Annotated[int, PlainValidator(_step_count), WithJsonSchema(
-    {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": _COUNT_PATTERN["steps"]}]})]
+StepCount = Annotated[
+    int,
+    PlainValidator(_step_count),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 0},
+                {"type": "string", "pattern": _COUNT_PATTERN["steps"]},
+            ]
+        }
+    ),
+]
 
 # --- numbers ------------------------------------------------------------------------------
 
@@ -220,8 +256,10 @@ def finite(v: Any) -> float:
 _SECRET_KEY = re.compile(r"token|secret|webhook|passw(or)?d|api[_-]?key|credential", re.I)
 _SLACK_TOKEN = re.compile(r"xox[abpr]-")
 _SLACK_HOOK = re.compile(r"hooks\.slack\.com/", re.I)
-_ENV_ADVICE = ("secrets never go in a policy file: set SLACK_BOT_TOKEN (bot token) or "
-               "SPIKEGUARD_SLACK_WEBHOOK_URL (incoming webhook) in the environment instead")
+_ENV_ADVICE = (
+    "secrets never go in a policy file: set SLACK_BOT_TOKEN (bot token) or "
+    "SPIKEGUARD_SLACK_WEBHOOK_URL (incoming webhook) in the environment instead"
+)
 
 
 def secret_problem(key: Any, value: Any) -> str | None:
@@ -237,7 +275,13 @@ def secret_problem(key: Any, value: Any) -> str | None:
 
 def find_secret(data: Any, path: tuple = ()) -> tuple[tuple, str] | None:
     """The path and reason of the first secret-looking key or value in plain data."""
-    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    items = (
+        data.items()
+        if isinstance(data, dict)
+        else enumerate(data)
+        if isinstance(data, list)
+        else ()
+    )
     for k, v in items:
         problem = secret_problem(k if isinstance(data, dict) else None, v)
         if problem:

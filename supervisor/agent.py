@@ -6,6 +6,7 @@ hung inside a collective), serves the rank's report socket and buffers what
 arrives until the supervisor polls. It knows nothing of policies or
 recovery: it only starts, reports and kills.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,12 @@ class RankAgent:
     def node_info(self) -> dict[str, Any]:
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "host": socket.gethostname(), "pid": os.getpid()}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
 
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -92,17 +97,21 @@ class RankAgent:
                 if big:
                     lines = [ln for ln in lines if len(ln) <= MAX_LINE_BYTES]
                     oversize += len(big)
-                if len(buf) > MAX_LINE_BYTES:  # a line without end: drop it rather than grow forever
+                if (
+                    len(buf) > MAX_LINE_BYTES
+                ):  # a line without end: drop it rather than grow forever
                     buf, oversize, skipping = b"", oversize + (0 if skipping else 1), True
                 with self._lock:
                     self._last_rx = time.monotonic()
                     self._oversize += oversize
                     room = MAX_BUFFERED_LINES - len(self._lines)
-                    self._lines.extend(lines[:max(room, 0)])
+                    self._lines.extend(lines[: max(room, 0)])
                     self._overflow += max(len(lines) - max(room, 0), 0)
 
     # -- process lifecycle ------------------------------------------------------------------
-    def start(self, *, generation: int, cmd: list[str], env: dict[str, str], cwd: str, log_path: str) -> dict[str, Any]:
+    def start(
+        self, *, generation: int, cmd: list[str], env: dict[str, str], cwd: str, log_path: str
+    ) -> dict[str, Any]:
         """Start generation ``generation`` of this rank. Returns its pid and report address."""
         if self._proc is not None and self._proc.poll() is None:
             self.kill()
@@ -122,8 +131,15 @@ class RankAgent:
         self._log = open(log_path, "ab")
         self._log_path, self._log_tail = log_path, None
         self._generation = generation
-        self._proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        self._proc = subprocess.Popen(
+            cmd,
+            env=full_env,
+            cwd=cwd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         return {"pid": self._proc.pid, "report": f"unix://{sock}", "generation": generation}
 
     def poll(self) -> dict[str, Any]:
@@ -134,9 +150,16 @@ class RankAgent:
             oversize, self._oversize = self._oversize, 0
             age = time.monotonic() - self._last_rx
         code = None if self._proc is None else self._proc.poll()
-        out = {"rank": self.rank, "generation": self._generation, "lines": lines, "overflow": overflow,
-               "oversize": oversize, "exit": code, "rx_age_s": age,
-               "pid": None if self._proc is None else self._proc.pid}
+        out = {
+            "rank": self.rank,
+            "generation": self._generation,
+            "lines": lines,
+            "overflow": overflow,
+            "oversize": oversize,
+            "exit": code,
+            "rx_age_s": age,
+            "pid": None if self._proc is None else self._proc.pid,
+        }
         if code is not None:
             out["log_tail"] = self._tail()
         return out
@@ -164,18 +187,27 @@ class RankAgent:
         """
         t0 = time.monotonic()
         p = self._proc
-        out = {"rank": self.rank, "duration_s": 0.0, "forced": False, "alive": False,
-               "pid": None if p is None else p.pid}
+        out = {
+            "rank": self.rank,
+            "duration_s": 0.0,
+            "forced": False,
+            "alive": False,
+            "pid": None if p is None else p.pid,
+        }
         if p is None or p.poll() is not None:
             return out
         if grace_s > 0:
             _signal_group(p.pid, signal.SIGTERM)
-            _signal_group(p.pid, signal.SIGCONT)  # a stopped process can only handle SIGTERM once running
+            _signal_group(
+                p.pid, signal.SIGCONT
+            )  # a stopped process can only handle SIGTERM once running
             try:
                 p.wait(grace_s)
             except subprocess.TimeoutExpired:
                 out["forced"] = True
-        _signal_group(p.pid, signal.SIGKILL)  # also any child left in the group after the leader exited
+        _signal_group(
+            p.pid, signal.SIGKILL
+        )  # also any child left in the group after the leader exited
         try:
             p.wait(10.0)
         except subprocess.TimeoutExpired:

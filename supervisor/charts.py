@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -37,12 +38,14 @@ def has_chart_data(context: Mapping[str, Any] | None) -> bool:
     if not context or not isinstance(context.get("steps"), (list, tuple)) or not context["steps"]:
         return False
     n = len(context["steps"])
-    return any(isinstance(context.get(k), (list, tuple)) and len(context[k]) == n
-               for k, _, _ in PANELS)
+    return any(
+        isinstance(context.get(k), (list, tuple)) and len(context[k]) == n for k, _, _ in PANELS
+    )
 
 
-def render_incident_chart(context: Mapping[str, Any], *, step: int | None = None,
-                          title: str = "", dpi: int = 100) -> bytes:
+def render_incident_chart(
+    context: Mapping[str, Any], *, step: int | None = None, title: str = "", dpi: int = 100
+) -> bytes:
     """Render the incident ``context`` (``steps`` + series) to PNG bytes (about 600x460 px).
 
     Series that are missing or of the wrong length are skipped; ``None``/NaN/inf samples leave
@@ -54,8 +57,11 @@ def render_incident_chart(context: Mapping[str, Any], *, step: int | None = None
     if not has_chart_data(context):
         raise ValueError("incident context has no steps or no series to draw")
     steps = _floats(context["steps"])
-    panels = [(k, label, colour) for k, label, colour in PANELS
-              if isinstance(context.get(k), (list, tuple)) and len(context[k]) == len(steps)]
+    panels = [
+        (k, label, colour)
+        for k, label, colour in PANELS
+        if isinstance(context.get(k), (list, tuple)) and len(context[k]) == len(steps)
+    ]
     fig = Figure(figsize=(6.0, 1.3 + 1.1 * len(panels)), dpi=dpi)
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
@@ -76,8 +82,15 @@ def render_incident_chart(context: Mapping[str, Any], *, step: int | None = None
         if step is not None:
             ax.axvline(step, color="#e67e22", linestyle="--", linewidth=1.2)
     if step is not None:
-        axes[0].annotate(f"incident @ {step:,}", xy=(step, 1.0), xycoords=("data", "axes fraction"),
-                         xytext=(3, -10), textcoords="offset points", fontsize=7, color="#e67e22")
+        axes[0].annotate(
+            f"incident @ {step:,}",
+            xy=(step, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -10),
+            textcoords="offset points",
+            fontsize=7,
+            color="#e67e22",
+        )
     axes[-1].set_xlabel("step", fontsize=8)
     if title:
         fig.suptitle(title, fontsize=9)

@@ -3,13 +3,15 @@
 Exit codes: 0 completed · 1 failed · 2 bad input · 3 escalated (or held) ·
 5 stopped by ``spikeguard stop`` · 130 interrupted.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from spikeguard.policies import commands as policy_commands
 
@@ -58,8 +60,10 @@ def _status(args: argparse.Namespace) -> int:
     print(render_status(status))
     events = read_events(args.run_dir)
     incidents = [e for e in events if e["kind"] == "incident"]
-    print(f"{len(events)} events, {len(incidents)} incident(s); last: "
-          + (f"{events[-1]['kind']} — {events[-1].get('reason', '')}" if events else "none"))
+    print(
+        f"{len(events)} events, {len(incidents)} incident(s); last: "
+        + (f"{events[-1]['kind']} — {events[-1].get('reason', '')}" if events else "none")
+    )
     if status.get("dropped"):
         print(f"dropped reports: {status['dropped']}")
     return 0
@@ -96,13 +100,21 @@ def _stop(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(run_dir=args.run_dir, steps=args.steps, workers=args.workers, policy=args.policy,
-                    seed=args.seed)
+    return run_demo(
+        run_dir=args.run_dir,
+        steps=args.steps,
+        workers=args.workers,
+        policy=args.policy,
+        seed=args.seed,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="spikeguard", description="Supervise distributed PyTorch training "
-                                "and recover loss spikes by itself.", epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        prog="spikeguard",
+        description="Supervise distributed PyTorch training and recover loss spikes by itself.",
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("submit", help="run a job under supervision")
     s.add_argument("job", help="job YAML")
@@ -126,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("run_dir")
     s.add_argument("--reason", default="stopped by user")
     s.set_defaults(func=_stop)
-    s = sub.add_parser("demo", help="the diverging example, 2 ranks on local Ray, recovered by spikeguard")
+    s = sub.add_parser(
+        "demo", help="the diverging example, 2 ranks on local Ray, recovered by spikeguard"
+    )
     s.add_argument("--run-dir", dest="run_dir", default=None)
     s.add_argument("--steps", type=int, default=None)
     s.add_argument("--workers", type=int, default=2)

@@ -4,6 +4,7 @@ Pure bookkeeping (no Ray, no I/O, time passed in): validates every line
 against the contract, fences by generation, counts what it drops and why,
 and synthesises ``exit`` and ``hang`` messages for the policy engine.
 """
+
 from __future__ import annotations
 
 import collections
@@ -35,7 +36,9 @@ class RankView:
 
 
 class Collector:
-    def __init__(self, *, world_size: int, hang_timeout_s: float, first_heartbeat_timeout_s: float) -> None:
+    def __init__(
+        self, *, world_size: int, hang_timeout_s: float, first_heartbeat_timeout_s: float
+    ) -> None:
         self.world_size = world_size
         self.hang_timeout_s = hang_timeout_s
         self.first_heartbeat_timeout_s = first_heartbeat_timeout_s
@@ -83,20 +86,47 @@ class Collector:
                 setattr(v, k, msg.get(k))
             if msg["type"] == "report":
                 v.summary = dict(msg.get("summary") or {})
-                self.history.append({"rank": rank, "step": msg["step"], "loss": msg.get("loss"),
-                                     **{k: v.summary.get(k) for k in ("grade", "attn_entropy_min",
-                                                                      "attn_entropy_min_norm", "max_logit")}})
+                self.history.append(
+                    {
+                        "rank": rank,
+                        "step": msg["step"],
+                        "loss": msg.get("loss"),
+                        **{
+                            k: v.summary.get(k)
+                            for k in (
+                                "grade",
+                                "attn_entropy_min",
+                                "attn_entropy_min_norm",
+                                "max_logit",
+                            )
+                        },
+                    }
+                )
         elif msg["type"] == "done":
             v.done = True
         return msg
 
-    def exit(self, rank: int, code: int, generation: int | None, now: float) -> dict[str, Any] | None:
+    def exit(
+        self, rank: int, code: int, generation: int | None, now: float
+    ) -> dict[str, Any] | None:
         """The rank's process ended; returns an ``exit`` message (once) for the current generation."""
         v = self.ranks.get(rank)
-        if v is None or generation != self.generation or self.generation is None or v.exit_code is not None:
+        if (
+            v is None
+            or generation != self.generation
+            or self.generation is None
+            or v.exit_code is not None
+        ):
             return None
-        msg = {"v": FORMAT_VERSION, "type": "exit", "gen": self.generation, "rank": rank,
-               "step": v.step if v.step is not None else -1, "code": int(code), "at": round(now, 3)}
+        msg = {
+            "v": FORMAT_VERSION,
+            "type": "exit",
+            "gen": self.generation,
+            "rank": rank,
+            "step": v.step if v.step is not None else -1,
+            "code": int(code),
+            "at": round(now, 3),
+        }
         if v.done and code != 0:
             # it said `done` (training finished) and then died in teardown (e.g. gloo's threads
             # aborting at interpreter exit): the training is complete, not a crash to recover
@@ -119,9 +149,18 @@ class Collector:
                 age, limit = now - (v.last_seen or now), self.hang_timeout_s
             if age > limit:
                 v.hang_reported = True
-                out.append({"v": FORMAT_VERSION, "type": "hang", "gen": self.generation, "rank": v.rank,
-                            "step": v.step if v.step is not None else -1, "age_s": round(age, 3),
-                            "first": v.step is None, "at": round(now, 3)})
+                out.append(
+                    {
+                        "v": FORMAT_VERSION,
+                        "type": "hang",
+                        "gen": self.generation,
+                        "rank": v.rank,
+                        "step": v.step if v.step is not None else -1,
+                        "age_s": round(age, 3),
+                        "first": v.step is None,
+                        "at": round(now, 3),
+                    }
+                )
         return out
 
     # -- views ------------------------------------------------------------------------------------

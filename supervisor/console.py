@@ -1,4 +1,5 @@
 """Console output: one line per journal event, and a live per-rank view."""
+
 from __future__ import annotations
 
 import sys
@@ -72,10 +73,21 @@ class LiveView:
 
 def _status_of(ctl: Any) -> dict[str, Any]:
     st, c = ctl.state, ctl.collector
-    return {"phase": st.phase.value, "generation": st.generation, "lr_scale": st.lr_scale,
-            "probation_until": st.probation_until,
-            "ranks": {r: {"step": v.step, "loss": v.loss, "grade": v.summary.get("grade"),
-                          "attn_entropy_min": v.summary.get("attn_entropy_min")} for r, v in c.ranks.items()}}
+    return {
+        "phase": st.phase.value,
+        "generation": st.generation,
+        "lr_scale": st.lr_scale,
+        "probation_until": st.probation_until,
+        "ranks": {
+            r: {
+                "step": v.step,
+                "loss": v.loss,
+                "grade": v.summary.get("grade"),
+                "attn_entropy_min": v.summary.get("attn_entropy_min"),
+            }
+            for r, v in c.ranks.items()
+        },
+    }
 
 
 def render_status(s: dict[str, Any]) -> str:

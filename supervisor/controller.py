@@ -10,28 +10,38 @@ notifiers, reaper); every decision lives in the engine or the machine.
 Timeouts use monotonic clocks only (the journal's ``mono``); a wall-clock jump
 cannot fire a hang.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from spikeguard.workers import checkpoint as ckpt
 
-from . import recovery as rc
-from .exitcodes import ExitCode
 from . import reaper, rundir
+from . import recovery as rc
 from .collector import Collector, is_finite
 from .errors import LaunchError
+from .exitcodes import ExitCode
 from .journal import Journal
 
 
 class Group(Protocol):
-    def launch(self, *, generation: int, cmd: list[str], env: dict[str, str], plan_path: str | None,
-               fence_file: str, ckpt_dir: str) -> list[dict[str, Any]]: ...
+    def launch(
+        self,
+        *,
+        generation: int,
+        cmd: list[str],
+        env: dict[str, str],
+        plan_path: str | None,
+        fence_file: str,
+        ckpt_dir: str,
+    ) -> list[dict[str, Any]]: ...
     def poll(self) -> list[dict[str, Any]]: ...
     def kill(self, grace_s: float = 0.0) -> dict[str, Any] | float: ...
 
@@ -43,13 +53,29 @@ class Notifier(Protocol):
 class Controller:
     """Runs one job until it completes, fails, escalates or is stopped."""
 
-    def __init__(self, *, run_dir: str, run_id: str, group: Group, engine: Any, cmd: list[str],
-                 env: dict[str, str], world_size: int, hang_timeout_s: float, first_heartbeat_timeout_s: float,
-                 kill_grace_s: float = 0.0, notifiers: list[Notifier] | None = None,
-                 poll_interval_s: float = 0.25, on_tick: Callable[["Controller"], None] | None = None,
-                 backoff_base_s: float = 0.0, backoff_max_s: float = 60.0, launch_retries: int = 3,
-                 reap_interval_s: float = 30.0, default_settings: rc.Settings | None = None,
-                 remote_reap: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        run_dir: str,
+        run_id: str,
+        group: Group,
+        engine: Any,
+        cmd: list[str],
+        env: dict[str, str],
+        world_size: int,
+        hang_timeout_s: float,
+        first_heartbeat_timeout_s: float,
+        kill_grace_s: float = 0.0,
+        notifiers: list[Notifier] | None = None,
+        poll_interval_s: float = 0.25,
+        on_tick: Callable[[Controller], None] | None = None,
+        backoff_base_s: float = 0.0,
+        backoff_max_s: float = 60.0,
+        launch_retries: int = 3,
+        reap_interval_s: float = 30.0,
+        default_settings: rc.Settings | None = None,
+        remote_reap: bool = True,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -59,8 +85,11 @@ class Controller:
         self.stop_file = self.run_dir / "STOP"
         self.group, self.engine, self.cmd, self.env = group, engine, cmd, env
         self.journal = Journal(run_dir, run=run_id)
-        self.collector = Collector(world_size=world_size, hang_timeout_s=hang_timeout_s,
-                                   first_heartbeat_timeout_s=first_heartbeat_timeout_s)
+        self.collector = Collector(
+            world_size=world_size,
+            hang_timeout_s=hang_timeout_s,
+            first_heartbeat_timeout_s=first_heartbeat_timeout_s,
+        )
         self.kill_grace_s = kill_grace_s
         self.notifiers = list(notifiers or [])
         self.poll_interval_s = poll_interval_s
@@ -95,12 +124,20 @@ class Controller:
         self.state = rc.fold(events)
         self.lineage = rc.lineage(events)
         st = self.state
-        self._event({"kind": "supervisor_start", "incident": st.incident.id if st.incident else None,
-                     "reason": f"restarted on an unfinished journal: phase {st.phase.value}, generation "
-                               f"{st.generation}, LR scale {st.lr_scale:.4g}, "
-                               f"{st.incident.id if st.incident else 'no open incident'}",
-                     "resumed": True, "phase": st.phase.value, "generation": st.generation,
-                     "pid": os.getpid(), "host": socket.gethostname()})
+        self._event(
+            {
+                "kind": "supervisor_start",
+                "incident": st.incident.id if st.incident else None,
+                "reason": f"restarted on an unfinished journal: phase {st.phase.value}, generation "
+                f"{st.generation}, LR scale {st.lr_scale:.4g}, "
+                f"{st.incident.id if st.incident else 'no open incident'}",
+                "resumed": True,
+                "phase": st.phase.value,
+                "generation": st.generation,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+            }
+        )
         nxt = max(rc.next_generation(st), rundir.highest_generation(self.run_dir) + 1)
         self._write_fence(nxt)  # before anything else: survivors may no longer publish checkpoints
         self._reap(nxt, "ranks left by the previous supervisor")
@@ -110,7 +147,11 @@ class Controller:
         """One pass: poll ranks, evaluate, transition. Returns the (new) state."""
         now = self.journal.mono()
         if self.stop_file.exists() and self.state.phase not in rc.TERMINAL:
-            self._apply(rc.StopRequested(self.stop_file.read_text(errors="replace").strip() or "stop requested"))
+            self._apply(
+                rc.StopRequested(
+                    self.stop_file.read_text(errors="replace").strip() or "stop requested"
+                )
+            )
             return self.state
         if self.state.phase in (rc.Phase.RUNNING, rc.Phase.PROBATION):
             for res in self.group.poll():
@@ -128,12 +169,19 @@ class Controller:
                         self._feed(msg)
             for msg in self.collector.check_hangs(now):
                 self._feed(msg)
-            if now - self._last_reap >= self.reap_interval_s and self.state.phase in (rc.Phase.RUNNING,
-                                                                                       rc.Phase.PROBATION):
-                self._reap(self.state.generation, "rank processes of replaced generations, now reachable")
+            if now - self._last_reap >= self.reap_interval_s and self.state.phase in (
+                rc.Phase.RUNNING,
+                rc.Phase.PROBATION,
+            ):
+                self._reap(
+                    self.state.generation, "rank processes of replaced generations, now reachable"
+                )
         if self.state.phase is rc.Phase.PROBATION and (s := self.collector.min_step()) is not None:
             self._apply(rc.Progress(s))
-        if self.state.phase in (rc.Phase.RUNNING, rc.Phase.PROBATION) and self.collector.all_finished():
+        if (
+            self.state.phase in (rc.Phase.RUNNING, rc.Phase.PROBATION)
+            and self.collector.all_finished()
+        ):
             self._apply(rc.Finished(self.collector.final_loss()))
         if self.on_tick:
             self.on_tick(self)
@@ -150,23 +198,42 @@ class Controller:
                 self._write_report(msg)
                 self._launch_failed(msg)
                 return
-            msg["step"] = rc.start_step(self.state.plan)  # the step this generation was to begin with
+            msg["step"] = rc.start_step(
+                self.state.plan
+            )  # the step this generation was to begin with
         self._write_report(msg)
         if msg.get("teardown_code"):
-            self._event({"kind": "alert", "severity": "info", "rule": None, "rank": msg["rank"], "layer": None,
-                         "step": msg["step"], "incident": None,
-                         "reason": f"rank {msg['rank']} finished training, then exited with code "
-                                   f"{msg['teardown_code']} during teardown; counted as finished"})
+            self._event(
+                {
+                    "kind": "alert",
+                    "severity": "info",
+                    "rule": None,
+                    "rank": msg["rank"],
+                    "layer": None,
+                    "step": msg["step"],
+                    "incident": None,
+                    "reason": f"rank {msg['rank']} finished training, then exited with code "
+                    f"{msg['teardown_code']} during teardown; counted as finished",
+                }
+            )
         for d in self.engine.observe(msg):
             self._decide(d, msg)
             if self.collector.generation != gen:
                 return  # acted upon: the generation was fenced (and maybe replaced)
         if msg["type"] == "exit" and msg["code"] != 0:
             # a dead rank breaks the gang; without a rule that recovers it, the job has failed
-            self._apply(rc.Failed(f"rank {msg['rank']} exited with code {msg['code']} and no policy rule "
-                                  "recovers crashes", exit_code=ExitCode.FAILED,
-                                  details={"rank": msg["rank"], "rank_exit_code": msg["code"],
-                                           **{k: v for k, v in _exit_details(msg).items() if k != "exit_code"}}))
+            self._apply(
+                rc.Failed(
+                    f"rank {msg['rank']} exited with code {msg['code']} and no policy rule "
+                    "recovers crashes",
+                    exit_code=ExitCode.FAILED,
+                    details={
+                        "rank": msg["rank"],
+                        "rank_exit_code": msg["code"],
+                        **{k: v for k, v in _exit_details(msg).items() if k != "exit_code"},
+                    },
+                )
+            )
 
     def _write_report(self, msg: dict[str, Any]) -> None:
         self._reports.write((json.dumps(msg, separators=(",", ":")) + "\n").encode())
@@ -176,41 +243,83 @@ class Controller:
         why = f"rank {msg['rank']} exited with code {msg['code']} before its first heartbeat"
         if msg.get("lost"):
             why += f" (agent lost: {msg['lost']})"
-        self._apply(rc.LaunchFailed(why, self.launch_retries, rank=msg["rank"], exit_code=msg["code"],
-                                    details={"log_tail": msg.get("log_tail", "")}))
+        self._apply(
+            rc.LaunchFailed(
+                why,
+                self.launch_retries,
+                rank=msg["rank"],
+                exit_code=msg["code"],
+                details={"log_tail": msg.get("log_tail", "")},
+            )
+        )
 
     def _decide(self, d: Any, msg: dict[str, Any]) -> None:
-        details = {"rule": d.rule, "action": d.action, "severity": d.severity, "signal": d.signal,
-                   "value": d.value if d.value is None or is_finite(d.value) else str(d.value),
-                   "rank": d.rank, "layer": d.layer, "step": d.step}
+        details = {
+            "rule": d.rule,
+            "action": d.action,
+            "severity": d.severity,
+            "signal": d.signal,
+            "value": d.value if d.value is None or is_finite(d.value) else str(d.value),
+            "rank": d.rank,
+            "layer": d.layer,
+            "step": d.step,
+        }
         if d.action == "recover":
             view = self.collector.ranks.get(d.rank) if d.rank is not None else None
-            details.update(loss=_jsonable(view.loss if view else msg.get("loss")),
-                           grad_norm=_jsonable(view.grad_norm if view else msg.get("grad_norm")),
-                           grade=(view.summary.get("grade") if view else None),
-                           context=self._context(d.rank))
+            details.update(
+                loss=_jsonable(view.loss if view else msg.get("loss")),
+                grad_norm=_jsonable(view.grad_norm if view else msg.get("grad_norm")),
+                grade=(view.summary.get("grade") if view else None),
+                context=self._context(d.rank),
+            )
             if msg["type"] == "exit":
                 details.update(_exit_details(msg))
             elif msg["type"] == "hang":
-                details.update(first_heartbeat=bool(msg.get("first")), heartbeat_age_s=msg.get("age_s"),
-                               timeout_s=(self.collector.first_heartbeat_timeout_s if msg.get("first")
-                                          else self.collector.hang_timeout_s))
+                details.update(
+                    first_heartbeat=bool(msg.get("first")),
+                    heartbeat_age_s=msg.get("age_s"),
+                    timeout_s=(
+                        self.collector.first_heartbeat_timeout_s
+                        if msg.get("first")
+                        else self.collector.hang_timeout_s
+                    ),
+                )
             details.pop("rule")
             details.pop("step")
-            self._apply(rc.Recover(rule=d.rule, reason=d.reason, step=d.step,
-                                   settings=rc.Settings.from_policy(d.recovery), details=details))
+            self._apply(
+                rc.Recover(
+                    rule=d.rule,
+                    reason=d.reason,
+                    step=d.step,
+                    settings=rc.Settings.from_policy(d.recovery),
+                    details=details,
+                )
+            )
         elif d.action == "stop":
             self._apply(rc.StopRequested(f"policy rule {d.rule}: {d.reason}"))
         else:  # notify / checkpoint (no rank-side request channel yet): an alert for the notifiers
             resolved = bool(getattr(d, "resolved", False))
-            self._event({"kind": "alert", "reason": d.reason, "incident": None, "resolved": resolved, **details})
+            self._event(
+                {
+                    "kind": "alert",
+                    "reason": d.reason,
+                    "incident": None,
+                    "resolved": resolved,
+                    **details,
+                }
+            )
 
     def _context(self, rank: int | None) -> dict[str, list[Any]]:
         """The recent samples of the rank that fired (rank 0 for run-wide rules), for the chart."""
         want = 0 if rank is None else rank
-        hist = [h for h in self.collector.history if h["rank"] == want] or list(self.collector.history)
+        hist = [h for h in self.collector.history if h["rank"] == want] or list(
+            self.collector.history
+        )
         keys = ("step", "grade", "attn_entropy_min", "loss", "max_logit")
-        return {k + ("s" if k == "step" else ""): [_jsonable(h.get(k)) for h in hist[-60:]] for k in keys}
+        return {
+            k + ("s" if k == "step" else ""): [_jsonable(h.get(k)) for h in hist[-60:]]
+            for k in keys
+        }
 
     # -- the state machine and its effects -------------------------------------------------------
     def _apply(self, obs: rc.Observation) -> None:
@@ -234,8 +343,12 @@ class Controller:
             res = self.group.kill(self.kill_grace_s)
             if not isinstance(res, dict):
                 res = {"duration_s": float(res)}
-            return rc.Killed(tuple(range(self.collector.world_size)), res["duration_s"],
-                             tuple(res.get("forced", ())), tuple(res.get("unreachable", ())))
+            return rc.Killed(
+                tuple(range(self.collector.world_size)),
+                res["duration_s"],
+                tuple(res.get("forced", ())),
+                tuple(res.get("unreachable", ())),
+            )
         if isinstance(eff, rc.SelectCheckpoint):
             return self._select(eff)
         if isinstance(eff, rc.Launch):
@@ -246,14 +359,23 @@ class Controller:
         raise TypeError(eff)
 
     def _select(self, eff: rc.SelectCheckpoint) -> rc.CheckpointChosen:
-        infos = [i for i in ckpt.list_checkpoints(self.ckpt_dir) if self._on_lineage(i.generation, i.step)]
-        chosen, skipped = ckpt.select_checkpoint(infos, min_grade=eff.min_grade, before_step=eff.before_step,
-                                                 min_steps_back=eff.min_steps_back)
+        infos = [
+            i
+            for i in ckpt.list_checkpoints(self.ckpt_dir)
+            if self._on_lineage(i.generation, i.step)
+        ]
+        chosen, skipped = ckpt.select_checkpoint(
+            infos,
+            min_grade=eff.min_grade,
+            before_step=eff.before_step,
+            min_steps_back=eff.min_steps_back,
+        )
         sk = tuple((s.path, why) for s, why in skipped)
         if chosen is None:
             return rc.CheckpointChosen(None, skipped=sk)
-        return rc.CheckpointChosen(chosen.path, step=chosen.step, sha256=chosen.sha256, grade=chosen.grade,
-                                   skipped=sk)
+        return rc.CheckpointChosen(
+            chosen.path, step=chosen.step, sha256=chosen.sha256, grade=chosen.grade, skipped=sk
+        )
 
     def _on_lineage(self, gen: int, step: int) -> bool:
         """A checkpoint counts only if it lies on the path the current generation descends from."""
@@ -268,17 +390,27 @@ class Controller:
     def _launch(self, plan: rc.ResumePlan, backoff_attempt: int = 0) -> rc.Observation | None:
         delay = rc.backoff_delay(backoff_attempt, self.backoff_base_s, self.backoff_max_s)
         if delay and self._sleep(delay):
-            return rc.StopRequested(self.stop_file.read_text(errors="replace").strip() or "stop requested")
+            return rc.StopRequested(
+                self.stop_file.read_text(errors="replace").strip() or "stop requested"
+            )
         gen = plan.generation
         self._reap(gen, "rank processes that outlived their generation")
         plan_path = None
-        if plan != rc.ResumePlan(generation=gen):  # anything but a plain fresh start travels as a plan file
+        if plan != rc.ResumePlan(
+            generation=gen
+        ):  # anything but a plain fresh start travels as a plan file
             plan_path = str(self.run_dir / "plans" / f"gen{gen:03d}.json")
             rundir.write_atomic(Path(plan_path), plan.to_json(), fsync=True)
         self._write_fence(gen)
         try:
-            infos = self.group.launch(generation=gen, cmd=self.cmd, env=self.env, plan_path=plan_path,
-                                      fence_file=str(self.fence_file), ckpt_dir=str(self.ckpt_dir))
+            infos = self.group.launch(
+                generation=gen,
+                cmd=self.cmd,
+                env=self.env,
+                plan_path=plan_path,
+                fence_file=str(self.fence_file),
+                ckpt_dir=str(self.ckpt_dir),
+            )
         except LaunchError as e:
             return rc.LaunchFailed(f"launching generation {gen} failed: {e}", self.launch_retries)
         self.lineage.append((gen, plan.checkpoint_step))
@@ -301,9 +433,14 @@ class Controller:
         found = reaper.reap(str(self.ckpt_dir), below_generation, remote=self.remote_reap)
         if found:
             gens = sorted({p["generation"] for p in found})
-            self._event({"kind": "reaped", "incident": self.state.incident.id if self.state.incident else None,
-                         "reason": f"killed {len(found)} {why} (generations {gens}) by pid",
-                         "processes": found})
+            self._event(
+                {
+                    "kind": "reaped",
+                    "incident": self.state.incident.id if self.state.incident else None,
+                    "reason": f"killed {len(found)} {why} (generations {gens}) by pid",
+                    "processes": found,
+                }
+            )
 
     def _write_fence(self, gen: int) -> None:
         rundir.write_atomic(self.fence_file, str(gen))

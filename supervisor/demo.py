@@ -1,5 +1,6 @@
 """``spikeguard demo``: the diverging example, 2 ranks on an embedded local Ray,
 recovered by the default policy — then the story, from the journal."""
+
 from __future__ import annotations
 
 import shutil
@@ -11,8 +12,14 @@ from .console import describe
 from .journal import read_events
 
 
-def run_demo(*, run_dir: str | None = None, steps: int | None = None, workers: int = 2,
-             policy: str = "default", seed: int = 0) -> int:
+def run_demo(
+    *,
+    run_dir: str | None = None,
+    steps: int | None = None,
+    workers: int = 2,
+    policy: str = "default",
+    seed: int = 0,
+) -> int:
     from spikeguard.examples import gpt_diverge
 
     from .job import JobSpec
@@ -22,18 +29,30 @@ def run_demo(*, run_dir: str | None = None, steps: int | None = None, workers: i
     if run_path.exists() and any(run_path.iterdir()):
         events = read_events(run_path)
         if not events or events[0].get("run") != "demo":
-            print(f"spikeguard demo: {run_path} is not empty and holds no earlier demo; "
-                  "choose another --run-dir", file=sys.stderr)
+            print(
+                f"spikeguard demo: {run_path} is not empty and holds no earlier demo; "
+                "choose another --run-dir",
+                file=sys.stderr,
+            )
             return 2
         shutil.rmtree(run_path)  # an earlier demo: start over
     args = ["--seed", str(seed), "--ckpt-every", "50", "--sample-every", "25", "--log-every", "250"]
     if steps:
         args += ["--steps", str(steps)]
-    job = JobSpec(name="demo", entrypoint=gpt_diverge.__file__, args=args, workers=workers, policy=policy,
-                  run_dir=str(run_path), timeouts={"heartbeat_s": 60, "first_heartbeat_s": 180})
-    print(f"spikeguard demo: {workers} ranks of examples/gpt_diverge.py (a GPT whose LR warm-up overshoots)\n"
-          f"  run directory: {run_path}\n  watch from another terminal: spikeguard status {run_path}\n",
-          flush=True)
+    job = JobSpec(
+        name="demo",
+        entrypoint=gpt_diverge.__file__,
+        args=args,
+        workers=workers,
+        policy=policy,
+        run_dir=str(run_path),
+        timeouts={"heartbeat_s": 60, "first_heartbeat_s": 180},
+    )
+    print(
+        f"spikeguard demo: {workers} ranks of examples/gpt_diverge.py (a GPT whose LR warm-up overshoots)\n"
+        f"  run directory: {run_path}\n  watch from another terminal: spikeguard status {run_path}\n",
+        flush=True,
+    )
     code = run_job(job, live=True)
     story(run_path)
     return code
@@ -44,7 +63,12 @@ def story(run_dir: Path) -> None:
     events = read_events(run_dir)
     print("\n=== what happened (spikeguard events " + str(run_dir) + ") ===")
     for ev in events:
-        if ev["kind"] in ("notify_thread", "notify_undelivered", "supervisor_start", "probation_progress"):
+        if ev["kind"] in (
+            "notify_thread",
+            "notify_undelivered",
+            "supervisor_start",
+            "probation_progress",
+        ):
             continue
         print(f"  {ev['kind']:<17} {describe(ev)}")
     try:
@@ -56,5 +80,7 @@ def story(run_dir: Path) -> None:
         print(f"(no plot: {e})")
     last = events[-1] if events else {}
     if last.get("kind") == "completed":
-        print(f"\nfinal loss {last.get('final_loss'):.3f} — see the README for the unsupervised run of the "
-              "same recipe, which diverges")
+        print(
+            f"\nfinal loss {last.get('final_loss'):.3f} — see the README for the unsupervised run of the "
+            "same recipe, which diverges"
+        )

@@ -1,4 +1,5 @@
 """Errors shared by the supervisor's layers (kept free of Ray so the pure parts can import them)."""
+
 from __future__ import annotations
 
 

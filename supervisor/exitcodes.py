@@ -1,4 +1,5 @@
 """The ``spikeguard`` process exit codes, in one place (the README's table mirrors this)."""
+
 from __future__ import annotations
 
 import enum

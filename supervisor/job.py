@@ -4,6 +4,7 @@ Validated with pydantic (unknown fields are errors); YAML is read with the
 same safe, line-aware loader as policies, so every error names the file,
 line and field.
 """
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
 from spikeguard.policies.loader import load_model_file
 
 
@@ -96,13 +96,17 @@ class JobSpec(_Strict):
     @classmethod
     def _no_secrets(cls, v: dict[str, str]) -> dict[str, str]:
         for k, val in v.items():
-            if any(w in k.upper() for w in ("TOKEN", "SECRET", "PASSWORD", "WEBHOOK")) or val.startswith("xox"):
-                raise ValueError(f"env.{k} looks like a secret: set it in the supervisor's environment, "
-                                 "not in the job file")
+            if any(
+                w in k.upper() for w in ("TOKEN", "SECRET", "PASSWORD", "WEBHOOK")
+            ) or val.startswith("xox"):
+                raise ValueError(
+                    f"env.{k} looks like a secret: set it in the supervisor's environment, "
+                    "not in the job file"
+                )
         return v
 
     @model_validator(mode="after")
-    def _gpu_backend(self) -> "JobSpec":
+    def _gpu_backend(self) -> JobSpec:
         if self.backend == "nccl" and self.gpus_per_worker == 0:
             raise ValueError("backend nccl needs gpus_per_worker > 0")
         return self

@@ -9,6 +9,7 @@ Every event has ``seq``, ``kind``, ``time`` (ISO-8601 UTC), ``mono``
 (seconds on the supervisor's monotonic clock since it started), ``run``,
 ``incident`` (or null) and ``reason``, plus the kind's own fields.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -16,17 +17,35 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 JOURNAL_NAME = "journal.jsonl"
 
 #: The recovery story's kinds (``spikeguard events`` documents these), then the bookkeeping ones.
 KINDS = (
-    "launch", "incident", "kill", "rollback", "lr_cut", "optimizer_reset", "probation_start",
-    "probation_progress", "probation_passed", "probation_failed", "escalated", "completed", "failed",
-    "stopped", "alert", "supervisor_start", "notify_thread", "notify_undelivered",
-    "launch_failed", "resume", "reaped",
+    "launch",
+    "incident",
+    "kill",
+    "rollback",
+    "lr_cut",
+    "optimizer_reset",
+    "probation_start",
+    "probation_progress",
+    "probation_passed",
+    "probation_failed",
+    "escalated",
+    "completed",
+    "failed",
+    "stopped",
+    "alert",
+    "supervisor_start",
+    "notify_thread",
+    "notify_undelivered",
+    "launch_failed",
+    "resume",
+    "reaped",
 )
 
 
@@ -58,10 +77,15 @@ class Journal:
             raise ValueError(f"unknown journal kind {kind!r}")
         with self._lock:
             self._seq += 1
-            ev = {"seq": self._seq, "kind": kind,
-                  "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
-                  "mono": round(self.mono(), 3), "run": self.run,
-                  "incident": fields.pop("incident", None), "reason": fields.pop("reason", "")}
+            ev = {
+                "seq": self._seq,
+                "kind": kind,
+                "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
+                "mono": round(self.mono(), 3),
+                "run": self.run,
+                "incident": fields.pop("incident", None),
+                "reason": fields.pop("reason", ""),
+            }
             ev.update(fields)
             self._f.write((json.dumps(ev, default=str) + "\n").encode())
             self._f.flush()

@@ -1,4 +1,5 @@
 """Pictures of a run: loss, grade and attention entropy per generation, incidents marked."""
+
 from __future__ import annotations
 
 import json
@@ -37,18 +38,39 @@ def plot_run(run_dir: str | Path, *, rank: int = 0) -> Path:
         hb = [m for m in msgs if m["gen"] == g and m["type"] in ("heartbeat", "report")]
         rep = [m for m in hb if m["type"] == "report"]
         label = f"generation {g}"
-        axes[0].plot([m["step"] for m in hb], [_num(m.get("loss")) for m in hb], lw=0.8, label=label)
-        axes[1].step([m["step"] for m in rep], [_num(m["summary"].get("grade")) for m in rep], where="post",
-                     label=label)
-        axes[2].plot([m["step"] for m in rep], [_num(m["summary"].get("attn_entropy_min_norm",
-                                                                      m["summary"].get("attn_entropy_min")))
-                                                 for m in rep], marker=".", label=label)
+        axes[0].plot(
+            [m["step"] for m in hb], [_num(m.get("loss")) for m in hb], lw=0.8, label=label
+        )
+        axes[1].step(
+            [m["step"] for m in rep],
+            [_num(m["summary"].get("grade")) for m in rep],
+            where="post",
+            label=label,
+        )
+        axes[2].plot(
+            [m["step"] for m in rep],
+            [
+                _num(
+                    m["summary"].get("attn_entropy_min_norm", m["summary"].get("attn_entropy_min"))
+                )
+                for m in rep
+            ],
+            marker=".",
+            label=label,
+        )
     for ev in events:
         if ev["kind"] == "incident" and isinstance(ev.get("step"), int):
             for ax in axes:
                 ax.axvline(ev["step"], color="red", ls="--", lw=1)
-            axes[0].annotate(f" {ev.get('rule')}", (ev["step"], 0.98), xycoords=("data", "axes fraction"),
-                             color="red", fontsize=7, va="top", rotation=90)
+            axes[0].annotate(
+                f" {ev.get('rule')}",
+                (ev["step"], 0.98),
+                xycoords=("data", "axes fraction"),
+                color="red",
+                fontsize=7,
+                va="top",
+                rotation=90,
+            )
         if ev["kind"] == "rollback" and isinstance(ev.get("checkpoint_step"), int):
             for ax in axes:
                 ax.axvline(ev["checkpoint_step"], color="green", ls=":", lw=1)

@@ -13,6 +13,7 @@ runs never match each other) and a ``SPIKEGUARD_GENERATION``; reading
 ``/proc/PID/environ`` identifies it exactly, so a recycled pid is never
 killed by mistake. Linux only (elsewhere nothing is found).
 """
+
 from __future__ import annotations
 
 import os
@@ -64,8 +65,15 @@ def find(ckpt_dir: str, below_generation: int) -> list[dict[str, Any]]:
         except ValueError:
             continue
         if gen < below_generation:
-            out.append({"pid": pid, "generation": gen, "rank": env.get("RANK"), "host": socket.gethostname(),
-                        "state": _state(pid)})
+            out.append(
+                {
+                    "pid": pid,
+                    "generation": gen,
+                    "rank": env.get("RANK"),
+                    "host": socket.gethostname(),
+                    "state": _state(pid),
+                }
+            )
     return out
 
 
@@ -85,7 +93,9 @@ def kill_stale(ckpt_dir: str, below_generation: int) -> list[dict[str, Any]]:
     return killed
 
 
-def reap(ckpt_dir: str, below_generation: int, *, remote: bool = True, timeout_s: float = 20.0) -> list[dict[str, Any]]:
+def reap(
+    ckpt_dir: str, below_generation: int, *, remote: bool = True, timeout_s: float = 20.0
+) -> list[dict[str, Any]]:
     """Kill the run's stale processes on this host and, with Ray up, on every other live host.
 
     One Ray task per distinct host address (num_cpus=0, pinned to a node there); hosts that do
@@ -109,8 +119,12 @@ def reap(ckpt_dir: str, below_generation: int, *, remote: bool = True, timeout_s
         if not targets:
             return found
         task = ray.remote(num_cpus=0, max_retries=0)(kill_stale)
-        refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nid, soft=False))
-                .remote(ckpt_dir, below_generation) for nid in targets.values()]
+        refs = [
+            task.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nid, soft=False)
+            ).remote(ckpt_dir, below_generation)
+            for nid in targets.values()
+        ]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         for ref in ready:
             try:

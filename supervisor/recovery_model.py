@@ -3,6 +3,7 @@
 Plain frozen dataclasses, no behaviour beyond small pure helpers; the
 transitions live in :mod:`.recovery` (which re-exports every name here).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,11 +13,36 @@ from typing import Any, Literal, Union
 from spikeguard.workers.contract import ResumePlan
 
 __all__ = [
-    "Phase", "TERMINAL", "RECUR_WINDOW_STEPS", "Settings", "Incident", "State", "ResumePlan",
-    "Start", "Launched", "LaunchFailed", "Recover", "Killed", "CheckpointChosen", "Progress", "Finished",
-    "Failed", "StopRequested", "Restarted", "Observation",
-    "Kill", "SelectCheckpoint", "Launch", "Shutdown", "Effect", "Event", "Transition",
-    "lr_factor", "backoff_delay", "next_generation", "start_step",
+    "RECUR_WINDOW_STEPS",
+    "TERMINAL",
+    "CheckpointChosen",
+    "Effect",
+    "Event",
+    "Failed",
+    "Finished",
+    "Incident",
+    "Kill",
+    "Killed",
+    "Launch",
+    "LaunchFailed",
+    "Launched",
+    "Observation",
+    "Phase",
+    "Progress",
+    "Recover",
+    "Restarted",
+    "ResumePlan",
+    "SelectCheckpoint",
+    "Settings",
+    "Shutdown",
+    "Start",
+    "State",
+    "StopRequested",
+    "Transition",
+    "backoff_delay",
+    "lr_factor",
+    "next_generation",
+    "start_step",
 ]
 
 
@@ -70,7 +96,7 @@ class Settings:
     """When the budget is spent: stop the job and page, or hold it (ranks killed, waiting for a human)."""
 
     @classmethod
-    def from_policy(cls, rs: Any) -> "Settings":
+    def from_policy(cls, rs: Any) -> Settings:
         """Build from a :class:`spikeguard.policies.RecoverySettings` (or anything with the same fields)."""
         names = [f.name for f in dataclasses.fields(cls)]
         kw = {n: getattr(rs, n) for n in names if hasattr(rs, n)}
@@ -79,7 +105,7 @@ class Settings:
         return cls(**kw)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "Settings":
+    def from_dict(cls, d: dict[str, Any] | None) -> Settings:
         """From a journaled ``settings`` object (unknown keys ignored; None: the defaults)."""
         if not isinstance(d, dict):
             return cls()
@@ -219,8 +245,19 @@ class Restarted:
     """The highest generation with traces on disk (plans, logs): a launch may have begun unjournaled."""
 
 
-Observation = Union[Start, Launched, LaunchFailed, Recover, Killed, CheckpointChosen, Progress, Finished, Failed,
-                    StopRequested, Restarted]
+Observation = Union[
+    Start,
+    Launched,
+    LaunchFailed,
+    Recover,
+    Killed,
+    CheckpointChosen,
+    Progress,
+    Finished,
+    Failed,
+    StopRequested,
+    Restarted,
+]
 
 
 # ---- effects (outputs) ---------------------------------------------------------------------

@@ -12,6 +12,7 @@ Layout (``RUN_DIR``)::
     logs/genNNN-rankR.log each rank's stdout/stderr
     checkpoints/         what the ranks save
 """
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ import re
 import socket
 import time
 from pathlib import Path
-from typing import Any, IO
+from typing import IO, Any
 
 _GEN_RE = re.compile(r"^gen(\d+)")
 
@@ -69,10 +70,14 @@ def acquire_lock(run_dir: Path) -> IO[str]:
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
-        raise LockHeld(f"another supervisor holds {run_dir / 'supervisor.lock'} ({holder})") from None
+        raise LockHeld(
+            f"another supervisor holds {run_dir / 'supervisor.lock'} ({holder})"
+        ) from None
     f.seek(0)
     f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+    f.write(
+        f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
+    )
     f.flush()
     return f
 
@@ -84,14 +89,28 @@ def status_dict(ctl: Any) -> dict[str, Any]:
         return str(x) if isinstance(x, float) and not is_finite(x) else x
 
     st, c = ctl.state, ctl.collector
-    return {"phase": st.phase.value, "generation": st.generation, "lr_scale": st.lr_scale,
-            "incident": st.incident.id if st.incident else None, "probation_until": st.probation_until,
-            "exit_code": st.exit_code, "launch_failures": st.launch_failures, "dropped": dict(c.dropped),
-            "rank_dropped": c.rank_dropped,
-            "ranks": {r: {"step": v.step, "loss": j(v.loss), "grade": v.summary.get("grade"),
-                          "attn_entropy_min": j(v.summary.get("attn_entropy_min")),
-                          "exit_code": v.exit_code} for r, v in c.ranks.items()},
-            "updated": time.time()}  # wall clock: for humans only, never for a timeout
+    return {
+        "phase": st.phase.value,
+        "generation": st.generation,
+        "lr_scale": st.lr_scale,
+        "incident": st.incident.id if st.incident else None,
+        "probation_until": st.probation_until,
+        "exit_code": st.exit_code,
+        "launch_failures": st.launch_failures,
+        "dropped": dict(c.dropped),
+        "rank_dropped": c.rank_dropped,
+        "ranks": {
+            r: {
+                "step": v.step,
+                "loss": j(v.loss),
+                "grade": v.summary.get("grade"),
+                "attn_entropy_min": j(v.summary.get("attn_entropy_min")),
+                "exit_code": v.exit_code,
+            }
+            for r, v in c.ranks.items()
+        },
+        "updated": time.time(),
+    }  # wall clock: for humans only, never for a timeout
 
 
 def write_status(run_dir: Path, data: dict[str, Any]) -> None:

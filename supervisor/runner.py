@@ -1,5 +1,6 @@
 """Wires a job: Ray (embedded or existing), the worker group, the policy engine,
 the notifiers and the controller. The thin layer under ``spikeguard submit``."""
+
 from __future__ import annotations
 
 import os
@@ -24,14 +25,22 @@ def init_ray(job: JobSpec) -> bool:
 
     if ray.is_initialized():
         return False
-    kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "namespace": "spikeguard"}
+    kw: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": False,
+        "namespace": "spikeguard",
+    }
     if job.ray.address:
         ray.init(address=job.ray.address, **kw)
         return False
     need = int(job.workers * max(job.cpus_per_worker, 0) + 0.999)
     # address="local": always a fresh embedded instance, never a cluster that happens to run here
-    ray.init(address="local", num_cpus=job.ray.num_cpus or max(need, os.cpu_count() or 1),
-             object_store_memory=job.ray.object_store_mb * 1024 * 1024, **kw)
+    ray.init(
+        address="local",
+        num_cpus=job.ray.num_cpus or max(need, os.cpu_count() or 1),
+        object_store_memory=job.ray.object_store_mb * 1024 * 1024,
+        **kw,
+    )
     return True
 
 
@@ -39,20 +48,35 @@ def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> l
     notifiers: list[Any] = [ConsoleNotifier()]
     slack_cfg = job.notify.slack
     pol_slack = getattr(getattr(policy, "notify", None), "slack", None)
-    channel = ((slack_cfg.channel if slack_cfg else None) or getattr(pol_slack, "channel", None)
-               or os.environ.get("SPIKEGUARD_SLACK_CHANNEL"))
+    channel = (
+        (slack_cfg.channel if slack_cfg else None)
+        or getattr(pol_slack, "channel", None)
+        or os.environ.get("SPIKEGUARD_SLACK_CHANNEL")
+    )
     if not channel and not os.environ.get("SPIKEGUARD_SLACK_WEBHOOK_URL"):
         return notifiers
     if not (os.environ.get("SLACK_BOT_TOKEN") or os.environ.get("SPIKEGUARD_SLACK_WEBHOOK_URL")):
-        print("spikeguard: Slack is configured but neither SLACK_BOT_TOKEN nor SPIKEGUARD_SLACK_WEBHOOK_URL "
-              "is set; notifying on the console only")
+        print(
+            "spikeguard: Slack is configured but neither SLACK_BOT_TOKEN nor SPIKEGUARD_SLACK_WEBHOOK_URL "
+            "is set; notifying on the console only"
+        )
         return notifiers
     from .slack import SlackNotifier, SlackSettings
 
     settings = SlackSettings.from_env(
-        channel=(slack_cfg.channel if slack_cfg and slack_cfg.channel else getattr(pol_slack, "channel", None)),
-        mention=(slack_cfg.mention if slack_cfg and slack_cfg.mention else getattr(pol_slack, "mention", None)),
-        runbook_url=getattr(pol_slack, "runbook_url", None), dashboard_url=getattr(pol_slack, "dashboard_url", None))
+        channel=(
+            slack_cfg.channel
+            if slack_cfg and slack_cfg.channel
+            else getattr(pol_slack, "channel", None)
+        ),
+        mention=(
+            slack_cfg.mention
+            if slack_cfg and slack_cfg.mention
+            else getattr(pol_slack, "mention", None)
+        ),
+        runbook_url=getattr(pol_slack, "runbook_url", None),
+        dashboard_url=getattr(pol_slack, "dashboard_url", None),
+    )
     notifiers.append(SlackNotifier(settings, run=run_id, journal=journal_fn))
     return notifiers
 
@@ -70,20 +94,28 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
     folded from the journal, survivors are fenced and reaped, the Slack threads restored. On a
     finished one, say so and return its recorded exit code without starting anything.
     """
-    from spikeguard.policies import Engine, load_policy
-
     import ray
+    from spikeguard.policies import Engine, load_policy
 
     policy = load_policy(job.policy)
     run_dir = job.resolved_run_dir()
     events = read_events(run_dir)
     done = finished_outcome(events) if events else None
     if done is not None:
-        last = next((e for e in reversed(events) if e["kind"] in ("completed", "failed", "escalated", "stopped")),
-                    {})
-        print(f"spikeguard: run {job.name} in {run_dir} already finished: {done.phase.value.lower()} "
-              f"(exit code {done.exit_code}) at {last.get('time', '?')}: {last.get('reason', '')}. Nothing to do; "
-              "its journal is final. Use another --run-dir or --name for a new run.", flush=True)
+        last = next(
+            (
+                e
+                for e in reversed(events)
+                if e["kind"] in ("completed", "failed", "escalated", "stopped")
+            ),
+            {},
+        )
+        print(
+            f"spikeguard: run {job.name} in {run_dir} already finished: {done.phase.value.lower()} "
+            f"(exit code {done.exit_code}) at {last.get('time', '?')}: {last.get('reason', '')}. Nothing to do; "
+            "its journal is final. Use another --run-dir or --name for a new run.",
+            flush=True,
+        )
         return done.exit_code if done.exit_code is not None else EXIT_FAILED
     try:
         lock = rundir.acquire_lock(run_dir)
@@ -92,9 +124,16 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         return EXIT_BAD_INPUT
     t = job.timeouts
     started = init_ray(job)
-    group = WorkerGroup(GroupSpec(world_size=job.workers, cpus_per_worker=job.cpus_per_worker,
-                                  gpus_per_worker=job.gpus_per_worker, agent_timeout_s=t.agent_timeout_s),
-                        run_id=job.name, run_dir=str(run_dir))
+    group = WorkerGroup(
+        GroupSpec(
+            world_size=job.workers,
+            cpus_per_worker=job.cpus_per_worker,
+            gpus_per_worker=job.gpus_per_worker,
+            agent_timeout_s=t.agent_timeout_s,
+        ),
+        run_id=job.name,
+        run_dir=str(run_dir),
+    )
     env = {k: str(v) for k, v in job.env.items()}
     env["SPIKEGUARD_BACKEND"] = job.resolved_backend()
     if job.checkpoint_every:
@@ -104,24 +143,38 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
     ctl: Controller | None = None
     old_term = signal.getsignal(signal.SIGTERM)
     try:  # the first launch places the gang (a placement failure is a launch failure, retried)
-        ctl = Controller(run_dir=str(run_dir), run_id=job.name, group=group, engine=Engine(policy),
-                         cmd=python_cmd(job.entrypoint, list(job.args)), env=env, world_size=job.workers,
-                         hang_timeout_s=t.heartbeat_s, first_heartbeat_timeout_s=t.first_heartbeat_s,
-                         kill_grace_s=t.kill_grace_s, backoff_base_s=t.restart_backoff_s,
-                         backoff_max_s=t.restart_backoff_max_s, launch_retries=t.launch_retries,
-                         reap_interval_s=t.reap_interval_s,
-                         default_settings=rc.Settings.from_policy(policy.recovery),
-                         on_tick=LiveView() if live else None)
+        ctl = Controller(
+            run_dir=str(run_dir),
+            run_id=job.name,
+            group=group,
+            engine=Engine(policy),
+            cmd=python_cmd(job.entrypoint, list(job.args)),
+            env=env,
+            world_size=job.workers,
+            hang_timeout_s=t.heartbeat_s,
+            first_heartbeat_timeout_s=t.first_heartbeat_s,
+            kill_grace_s=t.kill_grace_s,
+            backoff_base_s=t.restart_backoff_s,
+            backoff_max_s=t.restart_backoff_max_s,
+            launch_retries=t.launch_retries,
+            reap_interval_s=t.reap_interval_s,
+            default_settings=rc.Settings.from_policy(policy.recovery),
+            on_tick=LiveView() if live else None,
+        )
         notifiers = make_notifiers(job, policy, job.name, ctl.journal.record)
         for n in notifiers if events else ():
             restore = getattr(n, "restore", None)
-            if restore:  # the Slack threads of open incidents continue where the dead supervisor left them
+            if (
+                restore
+            ):  # the Slack threads of open incidents continue where the dead supervisor left them
                 restore(events)
         ctl.notifiers = notifiers
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         what = "resuming" if events else "running"
-        print(f"spikeguard: {what} run {job.name} in {run_dir} ({job.workers} ranks, policy {job.policy})",
-              flush=True)
+        print(
+            f"spikeguard: {what} run {job.name} in {run_dir} ({job.workers} ranks, policy {job.policy})",
+            flush=True,
+        )
         return ctl.run(resume_events=events or None)
     except KeyboardInterrupt:
         if ctl is not None:

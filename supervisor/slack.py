@@ -22,24 +22,47 @@ import random
 import threading
 import time
 from collections import deque
-from http.client import HTTPException
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from http.client import HTTPException
+from typing import Any
 
 from slack_sdk.errors import SlackApiError, SlackRequestError
 
 from .charts import has_chart_data, render_incident_chart
-from .slack_blocks import (IncidentView, Links, Message, alert_message, parse_time, root_message,
-                           run_message, standalone_step_message, step_message)
+from .slack_blocks import (
+    IncidentView,
+    Links,
+    Message,
+    alert_message,
+    parse_time,
+    root_message,
+    run_message,
+    standalone_step_message,
+    step_message,
+)
 from .slack_cmd import SlackSettings, refuse_secret_in_config, web_client, webhook_client
 
 __all__ = ["SlackNotifier", "SlackSettings", "refuse_secret_in_config"]
 
 log = logging.getLogger("spikeguard.slack")
 Journal = Callable[[dict], None]
-RECOVERY_KINDS = ("kill", "rollback", "lr_cut", "optimizer_reset", "probation_start",
-                  "probation_progress", "probation_passed", "probation_failed", "escalated",
-                  "launch", "failed", "incident", "alert", "stopped")
+RECOVERY_KINDS = (
+    "kill",
+    "rollback",
+    "lr_cut",
+    "optimizer_reset",
+    "probation_start",
+    "probation_progress",
+    "probation_passed",
+    "probation_failed",
+    "escalated",
+    "launch",
+    "failed",
+    "incident",
+    "alert",
+    "stopped",
+)
 TRANSIENT = {"internal_error", "fatal_error", "service_unavailable", "request_timeout"}
 MAX_QUEUE = 2000
 
@@ -80,8 +103,9 @@ class _Op:
 class SlackNotifier:
     """Posts journal events to Slack from a background thread; see the module docstring."""
 
-    def __init__(self, settings: SlackSettings, *, run: str, journal: Journal,
-                 run_dir_url: str | None = None) -> None:
+    def __init__(
+        self, settings: SlackSettings, *, run: str, journal: Journal, run_dir_url: str | None = None
+    ) -> None:
         if settings.problems():
             raise ValueError("Slack notifier not configured: " + "; ".join(settings.problems()))
         self.settings, self.run, self._journal = settings, run, journal
@@ -98,8 +122,9 @@ class SlackNotifier:
         bot = settings.mode == "bot"
         self._web = web_client(settings, self._abort) if bot else None
         self._hook = None if bot else webhook_client(settings, self._abort)
-        self._worker = threading.Thread(target=self._run_worker, name="spikeguard-slack",
-                                        daemon=True)
+        self._worker = threading.Thread(
+            target=self._run_worker, name="spikeguard-slack", daemon=True
+        )
         self._worker.start()
 
     # ----------------------------------------------------------------- caller side (fast)
@@ -130,21 +155,32 @@ class SlackNotifier:
                     ref.thread = _Thread(str(ev["channel"]), str(ev["ts"]), ref.view.version)
                 elif kind == "alert":
                     self._dedupe_pass(ev)
-                elif kind in RECOVERY_KINDS and inc and (kind != "launch" or inc in self._incidents):
+                elif (
+                    kind in RECOVERY_KINDS and inc and (kind != "launch" or inc in self._incidents)
+                ):
                     self._incident(ev).view.apply(ev)
                     if kind == "probation_progress":
                         self._progress_at[inc] = parse_time(ev.get("time")) or time.time()
             for inc, ref in self._incidents.items():
                 if ref.thread and not ref.view.concluded and self.settings.mode == "bot":
-                    self._enqueue(_Op("update", f"{inc} root refresh", ref, self._root(ref.view),
-                                      version=ref.view.version, force=True))
+                    self._enqueue(
+                        _Op(
+                            "update",
+                            f"{inc} root refresh",
+                            ref,
+                            self._root(ref.view),
+                            version=ref.view.version,
+                            force=True,
+                        )
+                    )
             self._cv.notify_all()
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until everything enqueued was sent or given up; False on timeout."""
         with self._cv:
             return self._cv.wait_for(
-                lambda: not self._queue and not self._busy and not self._overflow, timeout_s)
+                lambda: not self._queue and not self._busy and not self._overflow, timeout_s
+            )
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Send what is queued within ``timeout_s``; journal the rest as undelivered."""
@@ -178,14 +214,25 @@ class SlackNotifier:
         if kind == "alert" and not self._dedupe_pass(ev):
             return []
         if kind == "completed" or (kind in ("failed", "stopped") and inc not in self._incidents):
-            return [_Op("post", f"run {kind}", None,
-                        run_message(ev, self.run, self._links, s.mention))]
+            return [
+                _Op("post", f"run {kind}", None, run_message(ev, self.run, self._links, s.mention))
+            ]
         if kind == "alert" and not (inc and inc in self._incidents):
             repeats = int(self._dedupe[self._alert_key(ev)][1])
-            return [_Op("post", f"alert {ev.get('rule')}", None,
-                        alert_message(ev, self.run, self._links, s.mention, repeats),
-                        droppable=True)]
-        if kind not in RECOVERY_KINDS or not inc or (kind == "launch" and inc not in self._incidents):
+            return [
+                _Op(
+                    "post",
+                    f"alert {ev.get('rule')}",
+                    None,
+                    alert_message(ev, self.run, self._links, s.mention, repeats),
+                    droppable=True,
+                )
+            ]
+        if (
+            kind not in RECOVERY_KINDS
+            or not inc
+            or (kind == "launch" and inc not in self._incidents)
+        ):
             return []
         if kind == "probation_progress" and not self._progress_due(ev):
             return []
@@ -195,20 +242,31 @@ class SlackNotifier:
         changed = view.apply(ev)
         what = f"{inc} {kind}"
         if s.mode == "webhook":
-            msg = self._root(view) if fresh else standalone_step_message(ev, view, self._links,
-                                                                        s.mention)
+            msg = (
+                self._root(view)
+                if fresh
+                else standalone_step_message(ev, view, self._links, s.mention)
+            )
             return [_Op("post", what, ref, msg)]
         if fresh:
             ops = [_Op("root", f"{inc} root", ref, self._root(view), version=view.version)]
             if s.chart and has_chart_data(view.context):
                 ops.append(_Op("chart", f"{inc} chart", ref, droppable=True))
             return ops
-        ops = [_Op("reply", what, ref, step_message(ev, view, self._links, s.mention),
-                   broadcast=(view.concluded and changed) or kind == "stopped",
-                   droppable=kind == "probation_progress")]
+        ops = [
+            _Op(
+                "reply",
+                what,
+                ref,
+                step_message(ev, view, self._links, s.mention),
+                broadcast=(view.concluded and changed) or kind == "stopped",
+                droppable=kind == "probation_progress",
+            )
+        ]
         if changed:
-            ops.append(_Op("update", f"{inc} root update", ref, self._root(view),
-                           version=view.version))
+            ops.append(
+                _Op("update", f"{inc} root update", ref, self._root(view), version=view.version)
+            )
         return ops
 
     @staticmethod
@@ -276,8 +334,14 @@ class SlackNotifier:
             self._ensure_thread(op.ref, op.message, op.version)  # type: ignore[arg-type]
         elif op.kind == "reply":
             th = self._ensure_thread(op.ref)  # type: ignore[arg-type]
-            self._send(lambda: self._post(th.channel, op.message, th.ts,  # type: ignore[arg-type]
-                                          op.broadcast))
+            self._send(
+                lambda: self._post(
+                    th.channel,
+                    op.message,
+                    th.ts,  # type: ignore[arg-type]
+                    op.broadcast,
+                )
+            )
         elif op.kind == "update":
             with self._cv:
                 if op.version < op.ref.view.version:  # type: ignore[union-attr]
@@ -290,12 +354,16 @@ class SlackNotifier:
         elif op.kind == "chart":
             th = self._ensure_thread(op.ref)  # type: ignore[arg-type]
             view = op.ref.view  # type: ignore[union-attr]
-            png = render_incident_chart(view.context or {}, step=view.fired.get("step"),
-                                        title=f"{view.incident} · {self.run}")
+            png = render_incident_chart(
+                view.context or {},
+                step=view.fired.get("step"),
+                title=f"{view.incident} · {self.run}",
+            )
             self._send(lambda: self._upload(th, png, view))
 
-    def _ensure_thread(self, ref: _Incident, message: Message | None = None,
-                       version: int = 0) -> _Thread:
+    def _ensure_thread(
+        self, ref: _Incident, message: Message | None = None, version: int = 0
+    ) -> _Thread:
         """The incident's thread; posts its root first (``message`` or the current state)."""
         with self._cv:
             th = ref.thread
@@ -308,8 +376,9 @@ class SlackNotifier:
         except _Failure as f:
             raise _Failure(f"no thread: its root message could not be posted: {f.error}") from None
         th = ref.thread = _Thread(channel, ts, version)
-        self._safe_journal({"kind": "notify_thread", "incident": ref.view.incident,
-                            "channel": channel, "ts": ts})
+        self._safe_journal(
+            {"kind": "notify_thread", "incident": ref.view.incident, "channel": channel, "ts": ts}
+        )
         return th
 
     def _send(self, attempt: Callable[[], Any]) -> Any:
@@ -323,7 +392,7 @@ class SlackNotifier:
             except _Failure as f:
                 if not f.retry:
                     raise
-                last, backoff = f.error, min(s.backoff_max_s, s.backoff_s * 2 ** n)
+                last, backoff = f.error, min(s.backoff_max_s, s.backoff_s * 2**n)
                 if n < s.max_retries:  # exponential backoff with +-25 % jitter
                     self._abort.wait(backoff * (0.75 + random.random() * 0.5))
         raise _Failure(f"gave up after {s.max_retries + 1} attempts: {last}")
@@ -343,8 +412,9 @@ class SlackNotifier:
             if isinstance(r.data, dict) and r.data.get("needed"):
                 detail += f" (needed: {r.data['needed']})"
             if r.status_code == 429:  # slack-sdk's handler already waited out max_retries 429s
-                raise _Failure(f"still rate limited after {self.settings.max_retries} waits: "
-                               f"{detail}") from None
+                raise _Failure(
+                    f"still rate limited after {self.settings.max_retries} waits: {detail}"
+                ) from None
             if r.status_code >= 500 or err in TRANSIENT:
                 raise _Failure(f"Slack error: {detail}", retry=True) from None
             raise _Failure(f"Slack refused: {detail}") from None
@@ -354,13 +424,19 @@ class SlackNotifier:
                 raise _Failure(f"HTTP {code}: {e}") from None
             raise _Failure(f"network error: {type(e).__name__}: {e}", retry=True) from None
 
-    def _post(self, channel: str, msg: Message, thread_ts: str | None = None,
-              broadcast: bool = False) -> tuple[str, str]:
+    def _post(
+        self, channel: str, msg: Message, thread_ts: str | None = None, broadcast: bool = False
+    ) -> tuple[str, str]:
         if self._hook is not None:
-            r = self._call(lambda: self._hook.send(  # type: ignore[union-attr]
-                text=msg.text, blocks=msg.blocks, unfurl_links=False, unfurl_media=False))
+            r = self._call(
+                lambda: self._hook.send(  # type: ignore[union-attr]
+                    text=msg.text, blocks=msg.blocks, unfurl_links=False, unfurl_media=False
+                )
+            )
             if r.status_code == 429:
-                raise _Failure(f"webhook still rate limited after {self.settings.max_retries} waits")
+                raise _Failure(
+                    f"webhook still rate limited after {self.settings.max_retries} waits"
+                )
             if r.status_code >= 500:
                 raise _Failure(f"webhook HTTP {r.status_code}: {r.body}", retry=True)
             if r.status_code != 200:
@@ -369,27 +445,45 @@ class SlackNotifier:
         extra: dict[str, Any] = {"thread_ts": thread_ts} if thread_ts else {}
         if thread_ts and broadcast:
             extra["reply_broadcast"] = True
-        r = self._call(lambda: self._web.chat_postMessage(  # type: ignore[union-attr]
-            channel=channel, text=msg.text, blocks=msg.blocks, unfurl_links=False,
-            unfurl_media=False, **extra))
+        r = self._call(
+            lambda: self._web.chat_postMessage(  # type: ignore[union-attr]
+                channel=channel,
+                text=msg.text,
+                blocks=msg.blocks,
+                unfurl_links=False,
+                unfurl_media=False,
+                **extra,
+            )
+        )
         return str(r["channel"]), str(r["ts"])
 
     def _update(self, th: _Thread, msg: Message) -> None:
-        self._call(lambda: self._web.chat_update(  # type: ignore[union-attr]
-            channel=th.channel, ts=th.ts, text=msg.text, blocks=msg.blocks))
+        self._call(
+            lambda: self._web.chat_update(  # type: ignore[union-attr]
+                channel=th.channel, ts=th.ts, text=msg.text, blocks=msg.blocks
+            )
+        )
 
     def _upload(self, th: _Thread, png: bytes, view: IncidentView) -> None:
         step = view.fired.get("step")
         alt = f"Grade, attention entropy and loss around step {step} for incident {view.incident}"
-        self._call(lambda: self._web.files_upload_v2(  # type: ignore[union-attr]
-            channel=th.channel, thread_ts=th.ts, file=png, title=f"{view.incident}: around step "
-            f"{step}", filename=f"spikeguard-{view.incident}.png", alt_txt=alt))
+        self._call(
+            lambda: self._web.files_upload_v2(  # type: ignore[union-attr]
+                channel=th.channel,
+                thread_ts=th.ts,
+                file=png,
+                title=f"{view.incident}: around step {step}",
+                filename=f"spikeguard-{view.incident}.png",
+                alt_txt=alt,
+            )
+        )
 
     def _undelivered(self, op: _Op, error: str) -> None:
         log.warning("slack: %s undelivered: %s", op.what, error)
         incident = op.ref.view.incident if op.ref else None
-        self._safe_journal({"kind": "notify_undelivered", "incident": incident, "what": op.what,
-                            "error": error})
+        self._safe_journal(
+            {"kind": "notify_undelivered", "incident": incident, "what": op.what, "error": error}
+        )
 
     def _safe_journal(self, event: dict) -> None:
         try:

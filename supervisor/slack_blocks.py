@@ -11,20 +11,30 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Mapping
+from typing import Any
 
 HEADER_MAX, SECTION_MAX, FIELD_MAX, CONTEXT_MAX, TEXT_MAX = 150, 3000, 2000, 2000, 3900
 STATES = ("RECOVERING", "PROBATION", "RESOLVED", "ESCALATED")
 CONCLUSIONS = ("probation_passed", "escalated")
 EMOJI = {
-    "incident": ":rotating_light:", "alert": ":warning:", "kill": ":octagonal_sign:",
-    "rollback": ":rewind:", "lr_cut": ":chart_with_downwards_trend:",
-    "optimizer_reset": ":arrows_counterclockwise:", "probation_start": ":hourglass_flowing_sand:",
-    "probation_progress": ":hourglass_flowing_sand:", "probation_passed": ":white_check_mark:",
-    "probation_failed": ":x:", "escalated": ":sos:", "failed": ":sos:",
-    "completed": ":checkered_flag:", "launch": ":rocket:", "stopped": ":stop_button:",
+    "incident": ":rotating_light:",
+    "alert": ":warning:",
+    "kill": ":octagonal_sign:",
+    "rollback": ":rewind:",
+    "lr_cut": ":chart_with_downwards_trend:",
+    "optimizer_reset": ":arrows_counterclockwise:",
+    "probation_start": ":hourglass_flowing_sand:",
+    "probation_progress": ":hourglass_flowing_sand:",
+    "probation_passed": ":white_check_mark:",
+    "probation_failed": ":x:",
+    "escalated": ":sos:",
+    "failed": ":sos:",
+    "completed": ":checkered_flag:",
+    "launch": ":rocket:",
+    "stopped": ":stop_button:",
 }
 
 
@@ -97,8 +107,13 @@ def parse_time(value: Any) -> float | None:
 def duration_text(seconds: float) -> str:
     """``252`` -> ``4 min 12 s``."""
     s = max(0, int(round(seconds)))
-    return (f"{s} s" if s < 60 else f"{s // 60} min {s % 60} s" if s < 3600
-            else f"{s // 3600} h {s % 3600 // 60} min")
+    return (
+        f"{s} s"
+        if s < 60
+        else f"{s // 60} min {s % 60} s"
+        if s < 3600
+        else f"{s // 3600} h {s % 3600 // 60} min"
+    )
 
 
 def describe(e: Mapping[str, Any]) -> str:
@@ -107,22 +122,31 @@ def describe(e: Mapping[str, Any]) -> str:
     step = num(e.get("step"))
     if kind == "launch":
         ranks = f" with {esc(e.get('world_size'))} ranks" if e.get("world_size") else ""
-        return (f"*Launched* generation {esc(e.get('generation'))}{ranks}, LR scale "
-                f"{num(e.get('lr_scale'))}")
+        return (
+            f"*Launched* generation {esc(e.get('generation'))}{ranks}, LR scale "
+            f"{num(e.get('lr_scale'))}"
+        )
     if kind == "incident":
         again = f" (attempt {e['attempt']})" if (e.get("attempt") or 1) > 1 else ""
-        return (f"*{esc(e.get('rule'))} fired{again}:* `{esc(e.get('signal'))}` = "
-                f"{esc(num(e.get('value')))} on rank {esc(e.get('rank'))}, layer "
-                f"{esc(e.get('layer'))} at step {step} → {esc(e.get('action'))}")
+        return (
+            f"*{esc(e.get('rule'))} fired{again}:* `{esc(e.get('signal'))}` = "
+            f"{esc(num(e.get('value')))} on rank {esc(e.get('rank'))}, layer "
+            f"{esc(e.get('layer'))} at step {step} → {esc(e.get('action'))}"
+        )
     if kind == "alert":
-        return (f"*{esc(str(e.get('severity') or 'warn').upper())} {esc(e.get('rule'))}:* "
-                f"`{esc(e.get('signal'))}` = {esc(num(e.get('value')))} on rank {esc(e.get('rank'))}"
-                f" at step {step}: {why}")
+        return (
+            f"*{esc(str(e.get('severity') or 'warn').upper())} {esc(e.get('rule'))}:* "
+            f"`{esc(e.get('signal'))}` = {esc(num(e.get('value')))} on rank {esc(e.get('rank'))}"
+            f" at step {step}: {why}"
+        )
     if kind == "kill":
         return f"*Killed* ranks {ranks_text(e.get('ranks'))} in {num(e.get('duration_s'), 2)} s"
     if kind == "rollback":
-        skipped = [f"`{esc(s.get('path'))}` ({esc(s.get('reason'))})"
-                   for s in (e.get("skipped") or []) if isinstance(s, Mapping)]
+        skipped = [
+            f"`{esc(s.get('path'))}` ({esc(s.get('reason'))})"
+            for s in (e.get("skipped") or [])
+            if isinstance(s, Mapping)
+        ]
         tail = f"; skipped: {'; '.join(skipped[:5])}" if skipped else ""
         tail += f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
         for a, b in (e.get("skip_ranges") or [])[:3]:
@@ -130,26 +154,38 @@ def describe(e: Mapping[str, Any]) -> str:
         if e.get("checkpoint_step") is None:
             return f"*No checkpoint to roll back to*: {why}{tail}"
         path = f" `{esc(e.get('checkpoint_path'))}`" if e.get("checkpoint_path") else ""
-        return (f"*Rolled back* to step {num(e.get('checkpoint_step'))}{path} "
-                f"(checkpoint {grade_text(e.get('grade'))}){tail}")
+        return (
+            f"*Rolled back* to step {num(e.get('checkpoint_step'))}{path} "
+            f"(checkpoint {grade_text(e.get('grade'))}){tail}"
+        )
     if kind == "lr_cut":
         return f"*LR cut* ×{num(e.get('factor'))}: LR scale now {num(e.get('lr_scale'))}"
     if kind == "optimizer_reset":
         return "*Optimizer reset*: optimizer state cleared, weights kept"
     if kind in ("probation_start", "probation_progress"):
-        at = (f"from step {num(e.get('from_step'))}" if kind == "probation_start" else f"at step {step}")
+        at = (
+            f"from step {num(e.get('from_step'))}"
+            if kind == "probation_start"
+            else f"at step {step}"
+        )
         return f"*Probation* {at} until step {num(e.get('until_step'))}"
     if kind == "probation_passed":
-        return f"*RESOLVED*: probation passed at step {step}" if e.get("step") is not None \
+        return (
+            f"*RESOLVED*: probation passed at step {step}"
+            if e.get("step") is not None
             else f"*RESOLVED*: {why}"
+        )
     if kind == "probation_failed":
         return f"*Probation failed* at step {step}: {why}"
     if kind in ("escalated", "stopped", "completed", "failed", "notify_undelivered"):
-        return {"escalated": f"*ESCALATED*: {why}", "stopped": f"*Run stopped*: {why}",
-                "completed": f"*Run completed*, final loss {num(e.get('final_loss'))}",
-                "failed": f"*Run FAILED* (exit code {esc(e.get('exit_code'))}): {why}",
-                "notify_undelivered": f"*Slack message undelivered* ({esc(e.get('what'))}): "
-                                      f"{esc(e.get('error'))}"}[kind]
+        return {
+            "escalated": f"*ESCALATED*: {why}",
+            "stopped": f"*Run stopped*: {why}",
+            "completed": f"*Run completed*, final loss {num(e.get('final_loss'))}",
+            "failed": f"*Run FAILED* (exit code {esc(e.get('exit_code'))}): {why}",
+            "notify_undelivered": f"*Slack message undelivered* ({esc(e.get('what'))}): "
+            f"{esc(e.get('error'))}",
+        }[kind]
     return f"*{esc(kind)}* {why}".rstrip()
 
 
@@ -186,9 +222,23 @@ class IncidentView:
         t = parse_time(e.get("time"))
         if kind == "incident":
             if not self.fired:
-                self.fired = {k: e.get(k) for k in (
-                    "rule", "action", "severity", "signal", "value", "rank", "layer", "step",
-                    "loss", "grad_norm", "grade", "reason")}
+                self.fired = {
+                    k: e.get(k)
+                    for k in (
+                        "rule",
+                        "action",
+                        "severity",
+                        "signal",
+                        "value",
+                        "rank",
+                        "layer",
+                        "step",
+                        "loss",
+                        "grad_norm",
+                        "grade",
+                        "reason",
+                    )
+                }
                 self.started, self.context = t, e.get("context") or None
             else:
                 self.done.append(f"fired again at step {num(e.get('step'))}")
@@ -196,8 +246,10 @@ class IncidentView:
         elif kind == "kill":
             self.done.append(f"killed ranks {ranks_text(e.get('ranks'))}")
         elif kind == "rollback" and e.get("checkpoint_step") is not None:
-            self.done.append(f"rolled back to step {num(e.get('checkpoint_step'))} "
-                             f"({grade_text(e.get('grade'))})")
+            self.done.append(
+                f"rolled back to step {num(e.get('checkpoint_step'))} "
+                f"({grade_text(e.get('grade'))})"
+            )
         elif kind == "lr_cut":
             self.done.append(f"LR ×{num(e.get('factor'))} (scale {num(e.get('lr_scale'))})")
         elif kind == "optimizer_reset":
@@ -234,8 +286,11 @@ class IncidentView:
 
     def took(self) -> str | None:
         """How long the incident lasted, once it ended and both times are known."""
-        return (None if self.started is None or self.ended is None
-                else duration_text(self.ended - self.started))
+        return (
+            None
+            if self.started is None or self.ended is None
+            else duration_text(self.ended - self.started)
+        )
 
 
 def _section(text: str) -> dict[str, Any]:
@@ -243,13 +298,19 @@ def _section(text: str) -> dict[str, Any]:
 
 
 def _fields(pairs: list[tuple[str, str]]) -> dict[str, Any]:
-    return {"type": "section", "fields": [
-        {"type": "mrkdwn", "text": clip(f"*{k}*\n{v}", FIELD_MAX)} for k, v in pairs[:10]]}
+    return {
+        "type": "section",
+        "fields": [
+            {"type": "mrkdwn", "text": clip(f"*{k}*\n{v}", FIELD_MAX)} for k, v in pairs[:10]
+        ],
+    }
 
 
 def _context(*texts: str) -> dict[str, Any]:
-    return {"type": "context", "elements": [
-        {"type": "mrkdwn", "text": clip(t, CONTEXT_MAX)} for t in texts[:10]]}
+    return {
+        "type": "context",
+        "elements": [{"type": "mrkdwn", "text": clip(t, CONTEXT_MAX)} for t in texts[:10]],
+    }
 
 
 def _header(text: str) -> dict[str, Any]:
@@ -259,15 +320,24 @@ def _header(text: str) -> dict[str, Any]:
 def _link(url: str | None, label: str) -> str | None:
     if not url:
         return None  # a local path cannot be linked from Slack: show it verbatim
-    return f"<{esc(url)}|{label}>" if url.startswith(("http://", "https://")) else \
-        f"{label}: `{esc(url)}`"
+    return (
+        f"<{esc(url)}|{label}>"
+        if url.startswith(("http://", "https://"))
+        else f"{label}: `{esc(url)}`"
+    )
 
 
 def links_text(links: Links) -> str | None:
     """``Run directory · Dashboard · Runbook`` as mrkdwn links (no buttons: those need an app)."""
-    parts = [p for p in (_link(links.run_dir_url, "Run directory"),
-                         _link(links.dashboard_url, "Dashboard"),
-                         _link(links.runbook_url, "Runbook")) if p]
+    parts = [
+        p
+        for p in (
+            _link(links.run_dir_url, "Run directory"),
+            _link(links.dashboard_url, "Dashboard"),
+            _link(links.runbook_url, "Runbook"),
+        )
+        if p
+    ]
     return " · ".join(parts) or None
 
 
@@ -292,45 +362,73 @@ def root_message(view: IncidentView, links: Links, mention: str | None) -> Messa
     """The thread's root: what broke, what spikeguard did so far, and whether a human is needed."""
     f = _Dash(view.fired)  # a missing field shows as "—" (e.g. the incident event was lost)
     where = f"rank {f.get('rank')}, layer {f.get('layer')}"
-    what = (f"*{esc(f.get('signal'))}* = {esc(num(f.get('value')))} on {esc(where)} at step "
-            f"{num(f.get('step'))}")
+    what = (
+        f"*{esc(f.get('signal'))}* = {esc(num(f.get('value')))} on {esc(where)} at step "
+        f"{num(f.get('step'))}"
+    )
     took = f" in {view.took()}" if view.took() else ""
     status, ping, tail = {
-        "RECOVERING": (f"{EMOJI['incident']} {what}. spikeguard is recovering automatically; "
-                       "no action needed yet.", view.severity == "page",
-                       "spikeguard is recovering, no action needed yet"),
-        "PROBATION": (f"{EMOJI['probation_start']} Recovery steps done; on probation until step "
-                      f"{num(view.probation_until)}. No action needed yet.", False,
-                      f"on probation until step {num(view.probation_until)}"),
-        "RESOLVED": (f"{EMOJI['probation_passed']} *Resolved by spikeguard*{took}: "
-                     f"{esc(view.outcome)}. No action needed.", False, f"resolved: {view.outcome}"),
-        "ESCALATED": (f"{EMOJI['escalated']} *Human needed:* {esc(view.outcome)}. Automatic "
-                      "recovery has stopped.", True, f"HUMAN NEEDED: {view.outcome}"),
+        "RECOVERING": (
+            f"{EMOJI['incident']} {what}. spikeguard is recovering automatically; "
+            "no action needed yet.",
+            view.severity == "page",
+            "spikeguard is recovering, no action needed yet",
+        ),
+        "PROBATION": (
+            f"{EMOJI['probation_start']} Recovery steps done; on probation until step "
+            f"{num(view.probation_until)}. No action needed yet.",
+            False,
+            f"on probation until step {num(view.probation_until)}",
+        ),
+        "RESOLVED": (
+            f"{EMOJI['probation_passed']} *Resolved by spikeguard*{took}: "
+            f"{esc(view.outcome)}. No action needed.",
+            False,
+            f"resolved: {view.outcome}",
+        ),
+        "ESCALATED": (
+            f"{EMOJI['escalated']} *Human needed:* {esc(view.outcome)}. Automatic "
+            "recovery has stopped.",
+            True,
+            f"HUMAN NEEDED: {view.outcome}",
+        ),
     }[view.state]
-    blocks: list[dict[str, Any]] = [_header(root_header(view)), _section(_ping(status, mention, ping)),
-                                    _fields([
-        ("Grade", grade_text(f.get("grade"))),
-        ("Signal", f"`{esc(f.get('signal'))}` = {esc(num(f.get('value')))}"),
-        ("Worst rank · layer", f"rank {esc(f.get('rank'))} · layer {esc(f.get('layer'))}"
-                               " (fell first)"),
-        ("Step", num(f.get("step"))),
-        ("Loss", esc(num(f.get("loss")))),
-        ("Grad norm", esc(num(f.get("grad_norm"), 3))),
-        ("Rule", f"`{esc(f.get('rule'))}` → {esc(f.get('action'))}"),
-        ("Severity", esc(view.severity)),
-    ])]
+    blocks: list[dict[str, Any]] = [
+        _header(root_header(view)),
+        _section(_ping(status, mention, ping)),
+        _fields(
+            [
+                ("Grade", grade_text(f.get("grade"))),
+                ("Signal", f"`{esc(f.get('signal'))}` = {esc(num(f.get('value')))}"),
+                (
+                    "Worst rank · layer",
+                    f"rank {esc(f.get('rank'))} · layer {esc(f.get('layer'))} (fell first)",
+                ),
+                ("Step", num(f.get("step"))),
+                ("Loss", esc(num(f.get("loss")))),
+                ("Grad norm", esc(num(f.get("grad_norm"), 3))),
+                ("Rule", f"`{esc(f.get('rule'))}` → {esc(f.get('action'))}"),
+                ("Severity", esc(view.severity)),
+            ]
+        ),
+    ]
     if view.fired.get("reason"):
         blocks.append(_section(f"*Why:* {esc(view.fired['reason'])}"))
     if view.done:
         blocks.append(_section("*Done so far:* " + " → ".join(esc(d) for d in view.done)))
-    blocks.append(_context(*[t for t in (links_text(links), f"incident `{esc(view.incident)}`") if t]))
-    fallback = (f"{root_header(view)}: {f.get('signal')}={num(f.get('value'))} on {where} at step "
-                f"{num(f.get('step'))} — {tail}")
+    blocks.append(
+        _context(*[t for t in (links_text(links), f"incident `{esc(view.incident)}`") if t])
+    )
+    fallback = (
+        f"{root_header(view)}: {f.get('signal')}={num(f.get('value'))} on {where} at step "
+        f"{num(f.get('step'))} — {tail}"
+    )
     return Message(clip(_ping(esc(fallback), mention, ping), TEXT_MAX), blocks)
 
 
-def step_message(event: Mapping[str, Any], view: IncidentView, links: Links,
-                 mention: str | None) -> Message:
+def step_message(
+    event: Mapping[str, Any], view: IncidentView, links: Links, mention: str | None
+) -> Message:
     """A thread reply for one recovery step (or the broadcast conclusion)."""
     kind = str(event.get("kind"))
     emoji = EMOJI.get(kind, ":small_blue_diamond:")
@@ -346,29 +444,49 @@ def step_message(event: Mapping[str, Any], view: IncidentView, links: Links,
         body = f"{emoji} {describe(event)}"
     blocks = [_section(_ping(body, mention, ping))]
     if kind in CONCLUSIONS or kind == "failed":
-        blocks.append(_context(f"{esc(root_header(view))}: "
-                               + (" → ".join(esc(d) for d in view.done) or "no steps recorded")))
+        blocks.append(
+            _context(
+                f"{esc(root_header(view))}: "
+                + (" → ".join(esc(d) for d in view.done) or "no steps recorded")
+            )
+        )
     elif why and kind not in ("alert", "probation_failed", "stopped", "rollback", "lr_cut"):
         blocks.append(_context(why))
-    return Message(clip(_ping(esc(f"[{view.incident}] {summary_line(event)}"), mention, ping),
-                        TEXT_MAX), blocks)
+    return Message(
+        clip(_ping(esc(f"[{view.incident}] {summary_line(event)}"), mention, ping), TEXT_MAX),
+        blocks,
+    )
 
 
-def alert_message(event: Mapping[str, Any], run: str, links: Links, mention: str | None,
-                  repeats: int = 0) -> Message:
+def alert_message(
+    event: Mapping[str, Any], run: str, links: Links, mention: str | None, repeats: int = 0
+) -> Message:
     """A standalone notification (``alert``), headed ``[WARN] rule · run``."""
     sev = str(event.get("severity") or "warn")
     blocks: list[dict[str, Any]] = [
         _header(f"[{sev.upper()}] {event.get('rule')} · {run}"),
-        _section(_ping(f"{EMOJI['alert']} {esc(event.get('reason') or summary_line(event))}",
-                       mention, sev == "page")),
-        _fields([("Signal", f"`{esc(event.get('signal'))}` = {esc(num(event.get('value')))}"),
-                 ("Rank · layer", f"rank {esc(event.get('rank', '—'))} · layer "
-                                  f"{esc(event.get('layer', '—'))}"),
-                 ("Step", num(event.get("step"))), ("Rule", f"`{esc(event.get('rule'))}`")]),
+        _section(
+            _ping(
+                f"{EMOJI['alert']} {esc(event.get('reason') or summary_line(event))}",
+                mention,
+                sev == "page",
+            )
+        ),
+        _fields(
+            [
+                ("Signal", f"`{esc(event.get('signal'))}` = {esc(num(event.get('value')))}"),
+                (
+                    "Rank · layer",
+                    f"rank {esc(event.get('rank', '—'))} · layer {esc(event.get('layer', '—'))}",
+                ),
+                ("Step", num(event.get("step"))),
+                ("Rule", f"`{esc(event.get('rule'))}`"),
+            ]
+        ),
     ]
     footer = [t for t in (links_text(links),) if t] + (
-        [f"repeated {repeats}× since the last notification (deduplicated)"] if repeats else [])
+        [f"repeated {repeats}× since the last notification (deduplicated)"] if repeats else []
+    )
     if footer:
         blocks.append(_context(*footer))
     text = f"[{sev.upper()}] {run}: {summary_line(event)}"
@@ -385,13 +503,15 @@ def run_message(event: Mapping[str, Any], run: str, links: Links, mention: str |
     return Message(clip(_ping(esc(text), mention, failed), TEXT_MAX), blocks)
 
 
-def standalone_step_message(event: Mapping[str, Any], view: IncidentView, links: Links,
-                            mention: str | None) -> Message:
+def standalone_step_message(
+    event: Mapping[str, Any], view: IncidentView, links: Links, mention: str | None
+) -> Message:
     """Webhook mode (no threads): a step as a message naming its incident; a conclusion is
     the root message in its final state, so the last message in the channel tells it all."""
     if event.get("kind") in CONCLUSIONS or (view.concluded and event.get("kind") == "failed"):
         return root_message(view, links, mention)
     reply = step_message(event, view, links, mention)
-    prefix = _context(f"{EMOJI['incident']} *{esc(root_header(view))}* · incident "
-                      f"`{esc(view.incident)}`")
+    prefix = _context(
+        f"{EMOJI['incident']} *{esc(root_header(view))}* · incident `{esc(view.incident)}`"
+    )
     return Message(reply.text, [prefix, *reply.blocks])

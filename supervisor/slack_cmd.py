@@ -17,8 +17,9 @@ import random
 import re
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Mapping, TextIO
+from typing import Any, TextIO
 
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError
@@ -28,8 +29,16 @@ from slack_sdk.webhook import WebhookClient
 DEFAULT_API_URL = "https://slack.com/api/"
 _TOKEN_RE = re.compile(r"\b(xox[abposre]-|xapp-)[A-Za-z0-9-]+")
 _HOOK_RE = re.compile(r"https://hooks\.slack(-gov)?\.com/")
-_SECRET_KEYS = {"slack_token", "slack_bot_token", "bot_token", "app_token", "slack_webhook",
-                "slack_webhook_url", "webhook_url", "signing_secret"}
+_SECRET_KEYS = {
+    "slack_token",
+    "slack_bot_token",
+    "bot_token",
+    "app_token",
+    "slack_webhook",
+    "slack_webhook_url",
+    "webhook_url",
+    "signing_secret",
+}
 
 
 @dataclass(frozen=True)
@@ -73,8 +82,15 @@ class SlackSettings:
     def __post_init__(self) -> None:
         if self.mode not in ("bot", "webhook"):
             raise ValueError(f"slack mode must be 'bot' or 'webhook', not {self.mode!r}")
-        for f in ("repeat_interval_s", "min_interval_s", "backoff_s", "backoff_max_s",
-                  "progress_interval_s", "timeout_s", "max_retries"):
+        for f in (
+            "repeat_interval_s",
+            "min_interval_s",
+            "backoff_s",
+            "backoff_max_s",
+            "progress_interval_s",
+            "timeout_s",
+            "max_retries",
+        ):
             if getattr(self, f) < 0:
                 raise ValueError(f"slack {f} must be >= 0, got {getattr(self, f)!r}")
         object.__setattr__(self, "mention", normalize_mention(self.mention))
@@ -82,10 +98,17 @@ class SlackSettings:
             object.__setattr__(self, "api_url", self.api_url + "/")
 
     @classmethod
-    def from_env(cls, channel: str | None = None, mention: str | None = None,
-                 runbook_url: str | None = None, dashboard_url: str | None = None, *,
-                 mode: str | None = None, environ: Mapping[str, str] | None = None,
-                 **options: Any) -> "SlackSettings":
+    def from_env(
+        cls,
+        channel: str | None = None,
+        mention: str | None = None,
+        runbook_url: str | None = None,
+        dashboard_url: str | None = None,
+        *,
+        mode: str | None = None,
+        environ: Mapping[str, str] | None = None,
+        **options: Any,
+    ) -> SlackSettings:
         """Settings from arguments (job/policy file) plus the environment.
 
         The token comes only from ``SLACK_BOT_TOKEN``, the webhook URL only from
@@ -97,16 +120,23 @@ class SlackSettings:
         env = os.environ if environ is None else environ
         bad = {"token", "webhook_url", "api_url"} & set(options)
         if bad:
-            raise ValueError(f"slack {', '.join(sorted(bad))} can only come from the environment "
-                             "(SLACK_BOT_TOKEN, SPIKEGUARD_SLACK_WEBHOOK_URL, SPIKEGUARD_SLACK_API_URL)")
+            raise ValueError(
+                f"slack {', '.join(sorted(bad))} can only come from the environment "
+                "(SLACK_BOT_TOKEN, SPIKEGUARD_SLACK_WEBHOOK_URL, SPIKEGUARD_SLACK_API_URL)"
+            )
         token = env.get("SLACK_BOT_TOKEN") or None
         hook = env.get("SPIKEGUARD_SLACK_WEBHOOK_URL") or None
-        return cls(channel=channel or env.get("SPIKEGUARD_SLACK_CHANNEL") or None,
-                   mention=mention or env.get("SPIKEGUARD_SLACK_MENTION") or None,
-                   runbook_url=runbook_url, dashboard_url=dashboard_url,
-                   mode=mode or ("webhook" if hook and not token else "bot"),
-                   api_url=env.get("SPIKEGUARD_SLACK_API_URL") or DEFAULT_API_URL,
-                   token=token, webhook_url=hook, **options)
+        return cls(
+            channel=channel or env.get("SPIKEGUARD_SLACK_CHANNEL") or None,
+            mention=mention or env.get("SPIKEGUARD_SLACK_MENTION") or None,
+            runbook_url=runbook_url,
+            dashboard_url=dashboard_url,
+            mode=mode or ("webhook" if hook and not token else "bot"),
+            api_url=env.get("SPIKEGUARD_SLACK_API_URL") or DEFAULT_API_URL,
+            token=token,
+            webhook_url=hook,
+            **options,
+        )
 
     def problems(self) -> list[str]:
         """What keeps these settings from working (empty when usable)."""
@@ -117,7 +147,7 @@ class SlackSettings:
             out.append("no channel: set slack.channel in the job file or SPIKEGUARD_SLACK_CHANNEL")
         return out
 
-    def with_options(self, **changes: Any) -> "SlackSettings":
+    def with_options(self, **changes: Any) -> SlackSettings:
         """A copy with some non-secret fields changed."""
         known = {f.name for f in fields(self)} - {"token", "webhook_url"}
         unknown = set(changes) - known
@@ -140,8 +170,10 @@ def normalize_mention(mention: str | None) -> str | None:
         return f"<!subteam^{m}>"
     if re.fullmatch(r"<(@[UW][A-Z0-9]+|!subteam\^S[A-Z0-9]+(\|[^>]*)?|!here|!channel)>", m):
         return m
-    raise ValueError(f"slack mention {mention!r} would notify nobody: use a user ID (U…), a user "
-                     "group ID (S…), <@U…>, <!subteam^S…> or <!here>")
+    raise ValueError(
+        f"slack mention {mention!r} would notify nobody: use a user ID (U…), a user "
+        "group ID (S…), <@U…>, <!subteam^S…> or <!here>"
+    )
 
 
 def refuse_secret_in_config(mapping: Any, filename: str) -> None:
@@ -149,12 +181,15 @@ def refuse_secret_in_config(mapping: Any, filename: str) -> None:
 
     The secret itself is never echoed; the error names the file and the key path.
     """
+
     def walk(node: Any, path: str) -> None:
         if isinstance(node, Mapping):
             for k, v in node.items():
                 key, sub = str(k), f"{path}.{k}" if path else str(k)
                 in_slack = any(w in path.lower() for w in ("slack", "notify"))
-                named = key.lower() in _SECRET_KEYS or (in_slack and key.lower() in ("token", "webhook"))
+                named = key.lower() in _SECRET_KEYS or (
+                    in_slack and key.lower() in ("token", "webhook")
+                )
                 if named and v not in (None, ""):
                     _refuse(filename, sub, "secret")
                 walk(v, sub)
@@ -172,7 +207,8 @@ def _refuse(filename: str, path: str, what: str) -> None:
         f"{filename}: '{path}' holds a Slack {what}. Secrets must not be written in job or "
         "policy files (they get committed and copied into run directories): remove it and "
         "export SLACK_BOT_TOKEN (or SPIKEGUARD_SLACK_WEBHOOK_URL for webhook mode) in the "
-        "supervisor's environment instead.")
+        "supervisor's environment instead."
+    )
 
 
 class RateLimitHandler(RateLimitErrorRetryHandler):
@@ -206,15 +242,24 @@ def retry_after(headers: Mapping[str, Any]) -> float:
 
 def web_client(s: SlackSettings, abort: threading.Event | None = None) -> WebClient:
     """A ``WebClient`` for ``s`` with connection-error and 429 retry handlers."""
-    return WebClient(token=s.token, base_url=s.api_url, timeout=max(1, int(s.timeout_s)),
-                     retry_handlers=[ConnectionErrorRetryHandler(max_retry_count=1),
-                                     RateLimitHandler(abort, s.max_retries)])
+    return WebClient(
+        token=s.token,
+        base_url=s.api_url,
+        timeout=max(1, int(s.timeout_s)),
+        retry_handlers=[
+            ConnectionErrorRetryHandler(max_retry_count=1),
+            RateLimitHandler(abort, s.max_retries),
+        ],
+    )
 
 
 def webhook_client(s: SlackSettings, abort: threading.Event | None = None) -> WebhookClient:
     """A ``WebhookClient`` for ``s`` with the 429 retry handler."""
-    return WebhookClient(s.webhook_url or "", timeout=max(1, int(s.timeout_s)),
-                         retry_handlers=[RateLimitHandler(abort, s.max_retries)])
+    return WebhookClient(
+        s.webhook_url or "",
+        timeout=max(1, int(s.timeout_s)),
+        retry_handlers=[RateLimitHandler(abort, s.max_retries)],
+    )
 
 
 _HINTS = {
@@ -225,7 +270,7 @@ _HINTS = {
     "account_inactive": "the bot user behind SLACK_BOT_TOKEN is deactivated",
     "not_in_channel": "the bot is not a member of {channel}: run `/invite @{bot}` in that channel",
     "channel_not_found": "channel {channel} does not exist, or it is private and the bot is "
-                         "not in it: check the name/ID and invite the bot",
+    "not in it: check the name/ID and invite the bot",
     "is_archived": "channel {channel} is archived",
     "ratelimited": "Slack is rate limiting this app; try again in a minute",
 }
@@ -235,8 +280,10 @@ def _explain(e: SlackApiError, channel: str, bot: str) -> str:
     data = e.response.data if isinstance(e.response.data, dict) else {}
     err = str(data.get("error") or f"HTTP {e.response.status_code}")
     if err == "missing_scope":
-        return (f"missing_scope: the token lacks the `{data.get('needed', '?')}` scope (it has: "
-                f"{data.get('provided', '?')}); add it under OAuth & Permissions and reinstall")
+        return (
+            f"missing_scope: the token lacks the `{data.get('needed', '?')}` scope (it has: "
+            f"{data.get('provided', '?')}); add it under OAuth & Permissions and reinstall"
+        )
     return f"{err}: " + _HINTS.get(err, "Slack refused the call").format(channel=channel, bot=bot)
 
 
@@ -257,10 +304,13 @@ def run_test(settings: SlackSettings, out: TextIO | None = None, err: TextIO | N
         except OSError as e:
             return fail(f"network error: cannot reach the webhook URL: {e}")
         if r.status_code != 200:
-            return fail(f"webhook answered HTTP {r.status_code}: {r.body} (no_service/"
-                        "invalid_token: the URL was revoked; channel_is_archived: pick another)")
-        print("slack test ok: webhook message posted (webhook mode: no threads, no charts)",
-              file=out)
+            return fail(
+                f"webhook answered HTTP {r.status_code}: {r.body} (no_service/"
+                "invalid_token: the URL was revoked; channel_is_archived: pick another)"
+            )
+        print(
+            "slack test ok: webhook message posted (webhook mode: no threads, no charts)", file=out
+        )
         return 0
     client, channel, bot = web_client(settings), str(settings.channel), "the bot"
     try:
@@ -270,15 +320,19 @@ def run_test(settings: SlackSettings, out: TextIO | None = None, err: TextIO | N
         scopes = {s.strip() for s in (_header(auth.headers, "x-oauth-scopes") or "").split(",")}
         missing = [s for s in ("chat:write", "files:write") if scopes != {""} and s not in scopes]
         if missing:
-            return fail(f"missing_scope: the token lacks {', '.join(missing)} (it has: "
-                        f"{', '.join(sorted(scopes))}); add under OAuth & Permissions, reinstall")
+            return fail(
+                f"missing_scope: the token lacks {', '.join(missing)} (it has: "
+                f"{', '.join(sorted(scopes))}); add under OAuth & Permissions, reinstall"
+            )
         r = client.chat_postMessage(channel=channel, text=text)
     except SlackApiError as e:
         return fail(_explain(e, channel, bot))
     except OSError as e:
         return fail(f"network error: cannot reach {settings.api_url}: {e}")
-    print(f"slack test ok: posted to {channel} (channel {r.get('channel')}, ts {r.get('ts')})",
-          file=out)
+    print(
+        f"slack test ok: posted to {channel} (channel {r.get('channel')}, ts {r.get('ts')})",
+        file=out,
+    )
     return 0
 
 
@@ -304,11 +358,14 @@ def register(subparsers: Any) -> None:
     slack = subparsers.add_parser("slack", help="Slack notifications")
     sub = slack.add_subparsers(dest="slack_command", metavar="COMMAND")
     sub.required = True
-    test = sub.add_parser("test", help="check token, scopes and channel; post a test message",
-                          description="Calls auth.test, checks the chat:write and files:write "
-                          "scopes, and posts a test message. Exit 0 on success, 2 with the "
-                          "exact reason (invalid_auth, missing_scope, not_in_channel, "
-                          "channel_not_found, network error) otherwise.")
+    test = sub.add_parser(
+        "test",
+        help="check token, scopes and channel; post a test message",
+        description="Calls auth.test, checks the chat:write and files:write "
+        "scopes, and posts a test message. Exit 0 on success, 2 with the "
+        "exact reason (invalid_auth, missing_scope, not_in_channel, "
+        "channel_not_found, network error) otherwise.",
+    )
     test.add_argument("--channel", help="channel name or ID (default: SPIKEGUARD_SLACK_CHANNEL)")
     test.add_argument("--mention", help="on-call user/group ID, checked for validity")
     test.set_defaults(func=cmd_test)

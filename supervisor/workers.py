@@ -7,6 +7,7 @@ seconds), only the training processes are replaced. When an agent is lost
 (its node removed, dead or frozen), the next launch rebuilds the whole group:
 a new placement group and new agents, on the nodes that are alive then.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +20,6 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
 from spikeguard.workers import contract
 
 from .agent import RankAgent
@@ -67,28 +67,38 @@ class WorkerGroup:
         if s.gpus_per_worker:
             bundle["GPU"] = s.gpus_per_worker
         self._builds += 1
-        self._pg = placement_group([dict(bundle) for _ in range(s.world_size)], strategy=s.strategy,
-                                   name=f"spikeguard-{self.run_id}-{self._builds}")
+        self._pg = placement_group(
+            [dict(bundle) for _ in range(s.world_size)],
+            strategy=s.strategy,
+            name=f"spikeguard-{self.run_id}-{self._builds}",
+        )
         try:
             ray.get(self._pg.ready(), timeout=s.placement_timeout_s)
         except GetTimeoutError:
             remove_placement_group(self._pg)
             self._pg = None
-            raise LaunchError(f"could not place {s.world_size} workers with {bundle} each within "
-                              f"{s.placement_timeout_s:.0f}s: the cluster lacks resources") from None
+            raise LaunchError(
+                f"could not place {s.world_size} workers with {bundle} each within "
+                f"{s.placement_timeout_s:.0f}s: the cluster lacks resources"
+            ) from None
         actor_cls = ray.remote(RankAgent)
         self._agents = [
             actor_cls.options(
-                num_cpus=0, max_concurrency=4, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self._pg,
-                                                                     placement_group_bundle_index=i),
+                num_cpus=0,
+                max_concurrency=4,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._pg, placement_group_bundle_index=i
+                ),
             ).remote(i)
             for i in range(s.world_size)
         ]
         try:
             self._nodes = ray.get([a.node_info.remote() for a in self._agents], timeout=120)
         except (RayError, GetTimeoutError) as e:
-            raise LaunchError(f"the rank agents did not start: {type(e).__name__}: {e}"[:500]) from e
+            raise LaunchError(
+                f"the rank agents did not start: {type(e).__name__}: {e}"[:500]
+            ) from e
         self._pending, self._lost = {}, {}
 
     def _healthy(self) -> bool:
@@ -127,8 +137,16 @@ class WorkerGroup:
         return int(ray.get(self._agents[0].free_port.remote(), timeout=30))
 
     # -- generations ---------------------------------------------------------------------------
-    def launch(self, *, generation: int, cmd: list[str], env: dict[str, str], plan_path: str | None,
-               fence_file: str, ckpt_dir: str) -> list[dict[str, Any]]:
+    def launch(
+        self,
+        *,
+        generation: int,
+        cmd: list[str],
+        env: dict[str, str],
+        plan_path: str | None,
+        fence_file: str,
+        ckpt_dir: str,
+    ) -> list[dict[str, Any]]:
         """Start generation ``generation``: a fresh master port, torchrun env per rank.
 
         Rebuilds the gang first if an agent was lost. Returns per rank: rank, pid, generation,
@@ -140,9 +158,17 @@ class WorkerGroup:
             master_ip = self._nodes[0]["ip"]
             port = self._pick_port()
         except (RayError, GetTimeoutError) as e:
-            raise LaunchError(f"preparing generation {generation} failed: {type(e).__name__}: {e}"[:500]) from e
-        if self._pending:  # a slow poll still in flight must drain the old generation, not the new one
-            ray.wait([ref for ref, _ in self._pending.values()], num_returns=len(self._pending), timeout=2.0)
+            raise LaunchError(
+                f"preparing generation {generation} failed: {type(e).__name__}: {e}"[:500]
+            ) from e
+        if (
+            self._pending
+        ):  # a slow poll still in flight must drain the old generation, not the new one
+            ray.wait(
+                [ref for ref, _ in self._pending.values()],
+                num_returns=len(self._pending),
+                timeout=2.0,
+            )
             self._pending = {}
         by_node: dict[str, list[int]] = {}
         for r, n in enumerate(self._nodes):
@@ -151,27 +177,51 @@ class WorkerGroup:
         for r, agent in enumerate(self._agents):
             peers = by_node[self._nodes[r]["node_id"]]
             rank_env = dict(env)
-            rank_env.update({
-                "RANK": str(r), "LOCAL_RANK": str(peers.index(r)), "WORLD_SIZE": str(self.spec.world_size),
-                "LOCAL_WORLD_SIZE": str(len(peers)), "MASTER_ADDR": master_ip, "MASTER_PORT": str(port),
-                contract.ENV_RUN_ID: self.run_id, contract.ENV_GENERATION: str(generation),
-                contract.ENV_CKPT_DIR: ckpt_dir, contract.ENV_FENCE_FILE: fence_file,
-            })
+            rank_env.update(
+                {
+                    "RANK": str(r),
+                    "LOCAL_RANK": str(peers.index(r)),
+                    "WORLD_SIZE": str(self.spec.world_size),
+                    "LOCAL_WORLD_SIZE": str(len(peers)),
+                    "MASTER_ADDR": master_ip,
+                    "MASTER_PORT": str(port),
+                    contract.ENV_RUN_ID: self.run_id,
+                    contract.ENV_GENERATION: str(generation),
+                    contract.ENV_CKPT_DIR: ckpt_dir,
+                    contract.ENV_FENCE_FILE: fence_file,
+                }
+            )
             if plan_path:
                 rank_env[contract.ENV_RESUME] = plan_path
             log = os.path.join(self.run_dir, "logs", f"gen{generation:03d}-rank{r}.log")
-            calls.append(agent.start.remote(generation=generation, cmd=cmd, env=rank_env,
-                                            cwd=os.getcwd(), log_path=log))
+            calls.append(
+                agent.start.remote(
+                    generation=generation, cmd=cmd, env=rank_env, cwd=os.getcwd(), log_path=log
+                )
+            )
         try:
             started = ray.get(calls, timeout=60)
         except (RayError, GetTimeoutError) as e:
-            raise LaunchError(f"launching generation {generation} failed: {type(e).__name__}: {e}"[:500]) from e
+            raise LaunchError(
+                f"launching generation {generation} failed: {type(e).__name__}: {e}"[:500]
+            ) from e
         self._pending, self._generation = {}, generation
         out = []
         for r, st in enumerate(started):
             n = self._nodes[r]
-            out.append({"rank": r, "pid": st["pid"], "generation": generation, "report": st["report"], "port": port,
-                        "node_id": n["node_id"], "host": n["host"], "ip": n["ip"], "agent_pid": n["pid"]})
+            out.append(
+                {
+                    "rank": r,
+                    "pid": st["pid"],
+                    "generation": generation,
+                    "report": st["report"],
+                    "port": port,
+                    "node_id": n["node_id"],
+                    "host": n["host"],
+                    "ip": n["ip"],
+                    "agent_pid": n["pid"],
+                }
+            )
         return out
 
     def poll(self, timeout_s: float = 0.5) -> list[dict[str, Any]]:
@@ -196,15 +246,30 @@ class WorkerGroup:
                     out.append(self._mark_lost(r, f"{type(e).__name__}: {e}"))
             elif time.monotonic() - sent > self.spec.agent_timeout_s:
                 del self._pending[r]
-                out.append(self._mark_lost(r, f"agent unresponsive for {self.spec.agent_timeout_s:.0f}s "
-                                              "(node frozen or partitioned)"))
+                out.append(
+                    self._mark_lost(
+                        r,
+                        f"agent unresponsive for {self.spec.agent_timeout_s:.0f}s "
+                        "(node frozen or partitioned)",
+                    )
+                )
         return out
 
     def _mark_lost(self, rank: int, why: str) -> dict[str, Any]:
         self._lost[rank] = why[:300]
         node = self._nodes[rank] if rank < len(self._nodes) else {}
-        return {"rank": rank, "generation": self._generation, "lines": [], "overflow": 0, "exit": -9, "rx_age_s": None,
-                "pid": None, "lost": self._lost[rank], "node_id": node.get("node_id"), "host": node.get("host")}
+        return {
+            "rank": rank,
+            "generation": self._generation,
+            "lines": [],
+            "overflow": 0,
+            "exit": -9,
+            "rx_age_s": None,
+            "pid": None,
+            "lost": self._lost[rank],
+            "node_id": node.get("node_id"),
+            "host": node.get("host"),
+        }
 
     def kill(self, grace_s: float = 0.0) -> dict[str, Any]:
         """Kill every reachable rank's process tree (agents stay up).
@@ -213,10 +278,16 @@ class WorkerGroup:
         ``unreachable`` (ranks whose agent is lost or did not answer: fenced, reaped later).
         """
         t0 = time.monotonic()
-        refs = {r: a.kill.remote(grace_s) for r, a in enumerate(self._agents) if r not in self._lost}
+        refs = {
+            r: a.kill.remote(grace_s) for r, a in enumerate(self._agents) if r not in self._lost
+        }
         unreachable = set(self._lost)
         forced: list[int] = []
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace_s + 15.0) if refs else ([], [])
+        ready, _ = (
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace_s + 15.0)
+            if refs
+            else ([], [])
+        )
         for r, ref in refs.items():
             if ref not in ready:
                 unreachable.add(r)
@@ -230,7 +301,11 @@ class WorkerGroup:
                 continue
             if res.get("forced"):
                 forced.append(r)
-        return {"duration_s": time.monotonic() - t0, "forced": sorted(forced), "unreachable": sorted(unreachable)}
+        return {
+            "duration_s": time.monotonic() - t0,
+            "forced": sorted(forced),
+            "unreachable": sorted(unreachable),
+        }
 
     def shutdown(self) -> None:
         if self._agents:

@@ -1,12 +1,14 @@
 """Shared fixtures: a real local Ray, fault injection, run helpers."""
+
 from __future__ import annotations
 
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -15,8 +17,13 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # so tests can import fakeslack
 
 
-RAY_INIT = dict(num_cpus=4, object_store_memory=80 * 1024 * 1024, include_dashboard=False,
-                log_to_driver=False, namespace="spikeguard-tests")
+RAY_INIT = dict(
+    num_cpus=4,
+    object_store_memory=80 * 1024 * 1024,
+    include_dashboard=False,
+    log_to_driver=False,
+    namespace="spikeguard-tests",
+)
 
 
 @pytest.fixture(scope="session")
@@ -70,18 +77,41 @@ def fail_at() -> Faults:
 TEST_TIMEOUTS = {"restart_backoff_s": 0.2, "restart_backoff_max_s": 2.0, "reap_interval_s": 2.0}
 
 
-def toy_job(tmp_path: Path, *, policy: str | Path, steps: int = 120, workers: int = 2,
-            heartbeat_s: float = 30.0, first_heartbeat_s: float = 120.0, extra_args: list[str] | None = None,
-            faults: Faults | None = None, timeouts: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-            **fields: Any):
+def toy_job(
+    tmp_path: Path,
+    *,
+    policy: str | Path,
+    steps: int = 120,
+    workers: int = 2,
+    heartbeat_s: float = 30.0,
+    first_heartbeat_s: float = 120.0,
+    extra_args: list[str] | None = None,
+    faults: Faults | None = None,
+    timeouts: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    **fields: Any,
+):
     """A JobSpec for tests/scripts/toy_rank.py (short backoff and reap interval unless ``timeouts`` says)."""
     from spikeguard.supervisor.job import JobSpec
 
     args = ["--steps", str(steps), *(extra_args or [])]
-    t = {"heartbeat_s": heartbeat_s, "first_heartbeat_s": first_heartbeat_s, **TEST_TIMEOUTS, **(timeouts or {})}
-    return JobSpec(name="toy", entrypoint=str(SCRIPTS / "toy_rank.py"), args=args, workers=workers,
-                   policy=str(policy), run_dir=str(tmp_path / "run"),
-                   env={**(faults.env if faults else {}), **(env or {})}, timeouts=t, **fields)
+    t = {
+        "heartbeat_s": heartbeat_s,
+        "first_heartbeat_s": first_heartbeat_s,
+        **TEST_TIMEOUTS,
+        **(timeouts or {}),
+    }
+    return JobSpec(
+        name="toy",
+        entrypoint=str(SCRIPTS / "toy_rank.py"),
+        args=args,
+        workers=workers,
+        policy=str(policy),
+        run_dir=str(tmp_path / "run"),
+        env={**(faults.env if faults else {}), **(env or {})},
+        timeouts=t,
+        **fields,
+    )
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -121,10 +151,20 @@ class When(threading.Thread):
     the action raised.
     """
 
-    def __init__(self, run_dir: Path, predicate: Callable[[list[dict[str, Any]]], Any],
-                 action: Callable[[list[dict[str, Any]]], None], timeout_s: float = 240.0) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        predicate: Callable[[list[dict[str, Any]]], Any],
+        action: Callable[[list[dict[str, Any]]], None],
+        timeout_s: float = 240.0,
+    ) -> None:
         super().__init__(daemon=True)
-        self.run_dir, self.predicate, self.action, self.timeout_s = Path(run_dir), predicate, action, timeout_s
+        self.run_dir, self.predicate, self.action, self.timeout_s = (
+            Path(run_dir),
+            predicate,
+            action,
+            timeout_s,
+        )
         self.done = False
         self.error: BaseException | None = None
         self.start()
@@ -145,7 +185,7 @@ class When(threading.Thread):
                     self.action(evs)
                     self.done = True
                     return
-            except BaseException as e:  # noqa: BLE001 - reported by the test
+            except BaseException as e:
                 self.error = e
                 return
             time.sleep(0.02)

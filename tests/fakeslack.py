@@ -26,37 +26,68 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-SPEC_PATH = (Path(__file__).resolve().parents[1].parent
-             / "shared/reference/slack/slack_web_openapi_v2_without_examples.json")
+SPEC_PATH = (
+    Path(__file__).resolve().parents[1].parent
+    / "shared/reference/slack/slack_web_openapi_v2_without_examples.json"
+)
 TOKEN = "xoxb-fake-0000-spikeguard"
 ALL_SCOPES = ("chat:write", "files:write", "channels:read")
 JSON_FIELDS = {"blocks", "attachments", "files"}  # JSON-encoded strings in form encoding
 #: Not in the 2020 spec; transcribed from docs.slack.dev/reference/methods/<method>.
 SUPPLEMENT = {
-    "files.getUploadURLExternal": {"filename": ("string", True), "length": ("integer", True),
-                                   "alt_txt": ("string", False), "snippet_type": ("string", False)},
-    "files.completeUploadExternal": {"files": ("string", True), "channel_id": ("string", False),
-                                     "channels": ("string", False), "thread_ts": ("string", False),
-                                     "initial_comment": ("string", False),
-                                     "blocks": ("string", False)},
+    "files.getUploadURLExternal": {
+        "filename": ("string", True),
+        "length": ("integer", True),
+        "alt_txt": ("string", False),
+        "snippet_type": ("string", False),
+    },
+    "files.completeUploadExternal": {
+        "files": ("string", True),
+        "channel_id": ("string", False),
+        "channels": ("string", False),
+        "thread_ts": ("string", False),
+        "initial_comment": ("string", False),
+        "blocks": ("string", False),
+    },
 }
-SCOPE_OF = {"chat.postMessage": "chat:write", "chat.update": "chat:write",
-            "files.getUploadURLExternal": "files:write", "files.completeUploadExternal": "files:write"}
-BLOCK_TYPES = {"section", "header", "context", "divider", "image", "actions", "rich_text", "input",
-               "file", "video", "markdown"}
+SCOPE_OF = {
+    "chat.postMessage": "chat:write",
+    "chat.update": "chat:write",
+    "files.getUploadURLExternal": "files:write",
+    "files.completeUploadExternal": "files:write",
+}
+BLOCK_TYPES = {
+    "section",
+    "header",
+    "context",
+    "divider",
+    "image",
+    "actions",
+    "rich_text",
+    "input",
+    "file",
+    "video",
+    "markdown",
+}
 
 
 def load_spec(path: Path = SPEC_PATH) -> dict[str, dict[str, tuple[str, bool]]]:
     """method -> {param: (type, required)} from the OpenAPI spec, plus :data:`SUPPLEMENT`."""
     spec = json.loads(path.read_text())
-    out = {p.lstrip("/"): {q["name"]: (q.get("type", "string"), bool(q.get("required")))
-                           for q in op.get("parameters", [])}
-           for p, ops in spec["paths"].items() for op in ops.values()}
+    out = {
+        p.lstrip("/"): {
+            q["name"]: (q.get("type", "string"), bool(q.get("required")))
+            for q in op.get("parameters", [])
+        }
+        for p, ops in spec["paths"].items()
+        for op in ops.values()
+    }
     return {**out, **SUPPLEMENT}
 
 
-def _text_obj(obj: Any, where: str, limit: int, kinds: tuple[str, ...] = ("mrkdwn", "plain_text")
-              ) -> list[str]:
+def _text_obj(
+    obj: Any, where: str, limit: int, kinds: tuple[str, ...] = ("mrkdwn", "plain_text")
+) -> list[str]:
     if not isinstance(obj, dict) or obj.get("type") not in kinds:
         return [f"{where}: text object of type {kinds} expected, got {obj!r:.80}"]
     text = obj.get("text")
@@ -119,8 +150,12 @@ def _type_problem(name: str, value: Any, typ: str, is_json: bool) -> str | None:
     if is_json:
         good = isinstance(value, ok) and not (typ != "boolean" and isinstance(value, bool))
     else:
-        pattern = {"string": r"(?s).*", "integer": r"-?\d+", "number": r"-?\d+(\.\d+)?",
-                   "boolean": r"true|false|1|0"}[typ]
+        pattern = {
+            "string": r"(?s).*",
+            "integer": r"-?\d+",
+            "number": r"-?\d+(\.\d+)?",
+            "boolean": r"true|false|1|0",
+        }[typ]
         good = isinstance(value, str) and re.fullmatch(pattern, value) is not None
     return None if good else f"{name}: {typ} expected, got {value!r:.60}"
 
@@ -161,20 +196,21 @@ class FakeSlack:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 fake._serve(self)
 
-            do_GET, log_message = do_POST, lambda *a: None  # noqa: N815
+            do_GET, log_message = do_POST, lambda *a: None
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self.api_url = f"http://127.0.0.1:{self.port}/api/"
         self.webhook_url = f"http://127.0.0.1:{self.port}/services/T0TEST/B0HOOK/abc123"
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.05,), daemon=True
+        )
 
-    def __enter__(self) -> "FakeSlack":
+    def __enter__(self) -> FakeSlack:
         return self._thread.start() or self
 
     def __exit__(self, *exc: Any) -> None:
@@ -225,10 +261,16 @@ class FakeSlack:
         method = "webhook" if hook else url.path.removeprefix("/api/")
         try:
             params: dict[str, Any] = dict(parse_qsl(url.query))
-            params.update(json.loads(body or b"{}") if is_json else
-                          parse_qsl(body.decode(), keep_blank_values=True))
-            problems = (self._webhook_problems(params, is_json) if hook
-                        else self._validate(method, params, headers, is_json))
+            params.update(
+                json.loads(body or b"{}")
+                if is_json
+                else parse_qsl(body.decode(), keep_blank_values=True)
+            )
+            problems = (
+                self._webhook_problems(params, is_json)
+                if hook
+                else self._validate(method, params, headers, is_json)
+            )
         except (ValueError, TypeError) as e:
             params, problems = {}, [f"body does not parse: {e}"]
         call = Call(method, params, headers)
@@ -241,25 +283,49 @@ class FakeSlack:
         if time.monotonic() < self._outage_until:  # checked after recording, like a real proxy
             return self._reply(h, call, 500, "internal_error (fake outage)")
         if limited:
-            return self._reply(h, call, 429, "rate_limited" if hook else
-                               {"ok": False, "error": "ratelimited"}, {"Retry-After": str(after)})
+            return self._reply(
+                h,
+                call,
+                429,
+                "rate_limited" if hook else {"ok": False, "error": "ratelimited"},
+                {"Retry-After": str(after)},
+            )
         if hook:
             if not problems:
                 self.webhook_posts.append(params)
-            return self._reply(h, call, 400 if problems else 200,
-                               "invalid_blocks" if problems else "ok")
+            return self._reply(
+                h, call, 400 if problems else 200, "invalid_blocks" if problems else "ok"
+            )
         if problems:
-            return self._reply(h, call, 200, {"ok": False, "error": "invalid_arguments",
-                                              "response_metadata": {"messages": problems}})
+            return self._reply(
+                h,
+                call,
+                200,
+                {
+                    "ok": False,
+                    "error": "invalid_arguments",
+                    "response_metadata": {"messages": problems},
+                },
+            )
         self._reply(h, call, 200, self._forced.get(method) or self._method(method, params, headers))
 
-    def _reply(self, h: BaseHTTPRequestHandler, call: Call, status: int, payload: Any,
-               headers: dict[str, str] | None = None) -> None:
+    def _reply(
+        self,
+        h: BaseHTTPRequestHandler,
+        call: Call,
+        status: int,
+        payload: Any,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         call.status, call.response = status, payload
         raw = (json.dumps(payload) if isinstance(payload, dict) else str(payload)).encode()
         h.send_response(status)
-        h.send_header("Content-Type", "application/json; charset=utf-8"
-                      if isinstance(payload, dict) else "text/plain; charset=utf-8")
+        h.send_header(
+            "Content-Type",
+            "application/json; charset=utf-8"
+            if isinstance(payload, dict)
+            else "text/plain; charset=utf-8",
+        )
         scopes = self.tokens.get(_bearer(call.headers) or "")
         if scopes is not None:
             h.send_header("x-oauth-scopes", ",".join(sorted(scopes)))
@@ -273,11 +339,17 @@ class FakeSlack:
         out = [] if is_json else ["webhook body must be JSON"]
         out += [] if params.get("text") or params.get("blocks") else ["needs text or blocks"]
         out += block_kit_problems(params["blocks"]) if "blocks" in params else []
-        return out + [f"unknown webhook field {u!r}" for u in sorted(set(params) - {
-            "text", "blocks", "attachments", "unfurl_links", "unfurl_media", "mrkdwn"})]
+        return out + [
+            f"unknown webhook field {u!r}"
+            for u in sorted(
+                set(params)
+                - {"text", "blocks", "attachments", "unfurl_links", "unfurl_media", "mrkdwn"}
+            )
+        ]
 
-    def _validate(self, method: str, params: dict[str, Any], headers: dict[str, str],
-                  is_json: bool) -> list[str]:
+    def _validate(
+        self, method: str, params: dict[str, Any], headers: dict[str, str], is_json: bool
+    ) -> list[str]:
         schema = self.spec.get(method)
         if schema is None:
             return [f"unknown method {method!r} (not in the OpenAPI spec)"]
@@ -290,8 +362,11 @@ class FakeSlack:
             else:
                 problem = _type_problem(name, value, schema[name][0], is_json)
                 out += [problem] if problem else []
-        out += [f"required parameter {n!r} missing" for n, (_, req) in schema.items()
-                if req and n != "token" and n not in params]
+        out += [
+            f"required parameter {n!r} missing"
+            for n, (_, req) in schema.items()
+            if req and n != "token" and n not in params
+        ]
         blocks = params.get("blocks")
         if blocks is not None and method in ("chat.postMessage", "chat.update"):
             try:
@@ -314,20 +389,37 @@ class FakeSlack:
         if scopes is None:
             return {"ok": False, "error": "invalid_auth"}
         if need and need not in scopes:
-            return {"ok": False, "error": "missing_scope", "needed": need,
-                    "provided": ",".join(sorted(scopes))}
+            return {
+                "ok": False,
+                "error": "missing_scope",
+                "needed": need,
+                "provided": ",".join(sorted(scopes)),
+            }
         if method == "auth.test":
-            return {"ok": True, "url": "https://fake.slack.com/", "team": "Fake Team",
-                    "user": "spikeguard", "team_id": "T0TEST", "user_id": "U0BOT", "bot_id": "B0BOT"}
+            return {
+                "ok": True,
+                "url": "https://fake.slack.com/",
+                "team": "Fake Team",
+                "user": "spikeguard",
+                "team_id": "T0TEST",
+                "user_id": "U0BOT",
+                "bot_id": "B0BOT",
+            }
         if method not in SCOPE_OF:
             return {"ok": False, "error": "not_implemented_by_fakeslack"}
         if method == "files.getUploadURLExternal":
             fid = f"F{len(self.files) + 1:08d}"
-            self.files[fid] = {"filename": p["filename"], "length": int(p["length"]),
-                               "alt_txt": p.get("alt_txt"), "data": None}
+            self.files[fid] = {
+                "filename": p["filename"],
+                "length": int(p["length"]),
+                "alt_txt": p.get("alt_txt"),
+                "data": None,
+            }
             return {"ok": True, "file_id": fid, "upload_url": f"{self.api_url[:-4]}upload/{fid}"}
-        cid, err = self._channel(p.get("channel_id") if "files." in method else p.get("channel"),
-                                 by_id_only=method != "chat.postMessage")
+        cid, err = self._channel(
+            p.get("channel_id") if "files." in method else p.get("channel"),
+            by_id_only=method != "chat.postMessage",
+        )
         if err:
             return {"ok": False, "error": err}
         with self._lock:
@@ -335,8 +427,9 @@ class FakeSlack:
 
     def _write(self, method: str, cid: str | None, p: dict[str, Any]) -> dict[str, Any]:
         thread = p.get("thread_ts")
-        if thread and not any(m["ts"] == thread and m["channel"] == cid and not m["thread_ts"]
-                              for m in self.messages):
+        if thread and not any(
+            m["ts"] == thread and m["channel"] == cid and not m["thread_ts"] for m in self.messages
+        ):
             self.violations.append(f"{method}: thread_ts {thread} is no root message in {cid}")
             return {"ok": False, "error": "thread_not_found"}
         blocks = p.get("blocks")
@@ -345,9 +438,17 @@ class FakeSlack:
             if not p.get("text") and not blocks and not p.get("attachments"):
                 return {"ok": False, "error": "no_text"}
             ts = f"{1700000000 + next(self._ts)}.000100"
-            self.messages.append({"channel": cid, "ts": ts, "text": p.get("text"),
-                                  "blocks": blocks, "thread_ts": thread, "updates": [],
-                                  "reply_broadcast": p.get("reply_broadcast") in (True, "true", "1")})
+            self.messages.append(
+                {
+                    "channel": cid,
+                    "ts": ts,
+                    "text": p.get("text"),
+                    "blocks": blocks,
+                    "thread_ts": thread,
+                    "updates": [],
+                    "reply_broadcast": p.get("reply_broadcast") in (True, "true", "1"),
+                }
+            )
             return {"ok": True, "channel": cid, "ts": ts, "message": {"text": p.get("text")}}
         if method == "chat.update":
             for m in self.messages:
@@ -360,7 +461,9 @@ class FakeSlack:
         for it in items:
             f = self.files.get(it.get("id"))
             if f is None or f["data"] is None or len(f["data"]) != f["length"]:
-                self.violations.append(f"{method}: file {it.get('id')} not uploaded or wrong length")
+                self.violations.append(
+                    f"{method}: file {it.get('id')} not uploaded or wrong length"
+                )
                 return {"ok": False, "error": "file_not_found"}
             f.update(title=it.get("title"), channel=cid, thread_ts=thread)
         return {"ok": True, "files": [{"id": it["id"], "title": it.get("title")} for it in items]}
@@ -371,28 +474,75 @@ def _bearer(headers: dict[str, str]) -> str | None:
     return auth[7:] if auth.startswith("Bearer ") and len(auth) > 7 else None
 
 
-def incident_events(run: str = "gpt-1b", incident: str = "inc-001", *, t0: int = 0,
-                    conclusion: str = "probation_passed", severity: str = "page") -> list[dict]:
+def incident_events(
+    run: str = "gpt-1b",
+    incident: str = "inc-001",
+    *,
+    t0: int = 0,
+    conclusion: str = "probation_passed",
+    severity: str = "page",
+) -> list[dict]:
     """A journal's worth of one incident, shaped like the supervisor's events (for tests)."""
-    ctx = {"steps": list(range(1180, 1240)), "grade": [6] * 50 + [2] * 10, "max_logit": [30.0] * 60,
-           "attn_entropy_min": [2.1] * 50 + [0.15] * 10, "loss": [2.4] * 50 + [7.9] * 10}
+    ctx = {
+        "steps": list(range(1180, 1240)),
+        "grade": [6] * 50 + [2] * 10,
+        "max_logit": [30.0] * 60,
+        "attn_entropy_min": [2.1] * 50 + [0.15] * 10,
+        "loss": [2.4] * 50 + [7.9] * 10,
+    }
     steps: list[tuple[str, str, dict[str, Any]]] = [
-        ("incident", "attention entropy of blocks.7.attn fell below 0.3", dict(
-            rule="entropy-collapse", action="recover", severity=severity, signal="attn_entropy_min",
-            value=0.15, rank=3, layer="blocks.7.attn", step=1230, loss=7.9, grad_norm=412.0,
-            grade=2, attempt=1, context=ctx)),
+        (
+            "incident",
+            "attention entropy of blocks.7.attn fell below 0.3",
+            dict(
+                rule="entropy-collapse",
+                action="recover",
+                severity=severity,
+                signal="attn_entropy_min",
+                value=0.15,
+                rank=3,
+                layer="blocks.7.attn",
+                step=1230,
+                loss=7.9,
+                grad_norm=412.0,
+                grade=2,
+                attempt=1,
+                context=ctx,
+            ),
+        ),
         ("kill", "killed 4 ranks of generation 0", dict(ranks=[0, 1, 2, 3], duration_s=1.42)),
-        ("rollback", "newest checkpoint graded S6 >= S5 before step 1230", dict(
-            checkpoint_step=1100, checkpoint_path="ckpt/step-1100", grade=6,
-            skipped=[{"path": "ckpt/step-1200", "reason": "graded S3 < S5"}])),
+        (
+            "rollback",
+            "newest checkpoint graded S6 >= S5 before step 1230",
+            dict(
+                checkpoint_step=1100,
+                checkpoint_path="ckpt/step-1100",
+                grade=6,
+                skipped=[{"path": "ckpt/step-1200", "reason": "graded S3 < S5"}],
+            ),
+        ),
         ("lr_cut", "LR x0.5 on attempt 1 (scale now 0.5)", dict(factor=0.5, lr_scale=0.5)),
         ("optimizer_reset", "optimizer moments may carry the instability", {}),
         ("launch", "relaunched from step 1101", dict(generation=1, lr_scale=0.5)),
-        ("probation_start", "299 steps must pass without another incident",
-         dict(from_step=1101, until_step=1400)),
+        (
+            "probation_start",
+            "299 steps must pass without another incident",
+            dict(from_step=1101, until_step=1400),
+        ),
         (conclusion, "no second incident in the probation window", dict(step=1400))
-        if conclusion == "probation_passed" else
-        (conclusion, "recovery budget of 2 attempts spent", dict(hold=False))]
-    return [{"seq": i + 1, "kind": k, "time": f"2024-05-01T03:{(t0 + 2 * i) // 60:02d}:"
-             f"{(t0 + 2 * i) % 60:02d}+00:00", "mono": float(t0 + 2 * i), "run": run,
-             "incident": incident, "reason": why, **f} for i, (k, why, f) in enumerate(steps)]
+        if conclusion == "probation_passed"
+        else (conclusion, "recovery budget of 2 attempts spent", dict(hold=False)),
+    ]
+    return [
+        {
+            "seq": i + 1,
+            "kind": k,
+            "time": f"2024-05-01T03:{(t0 + 2 * i) // 60:02d}:{(t0 + 2 * i) % 60:02d}+00:00",
+            "mono": float(t0 + 2 * i),
+            "run": run,
+            "incident": incident,
+            "reason": why,
+            **f,
+        }
+        for i, (k, why, f) in enumerate(steps)
+    ]

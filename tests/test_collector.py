@@ -1,15 +1,24 @@
 """The collector: validation, generation fencing, exits and hangs (no Ray; time is passed in)."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from spikeguard.supervisor.collector import Collector
 
 
 def line(**kw) -> bytes:
-    msg = {"v": 1, "type": "heartbeat", "run": "r", "gen": 2, "rank": 0, "step": 5, "t": 0.0, "loss": 2.0}
+    msg = {
+        "v": 1,
+        "type": "heartbeat",
+        "run": "r",
+        "gen": 2,
+        "rank": 0,
+        "step": 5,
+        "t": 0.0,
+        "loss": 2.0,
+    }
     msg.update(kw)
     return json.dumps(msg).encode()
 
@@ -33,17 +42,20 @@ def test_stale_generation_report_is_dropped_and_counted(col):
     assert col.ranks[0].step is None  # nothing of it was taken in
 
 
-@pytest.mark.parametrize("raw,why", [
-    (b"{not json", "malformed"),
-    (b"[1, 2]", "malformed"),
-    (b"\xff\xfe", "malformed"),
-    (line(v=99), "bad_version"),
-    (line(type="brag"), "unknown_type"),
-    (line(step="5"), "wrong_type"),
-    (line(loss="2.0"), "wrong_type"),
-    (line(gen=True), "wrong_type"),
-    (line(summary=[1]), "wrong_type"),
-])
+@pytest.mark.parametrize(
+    "raw,why",
+    [
+        (b"{not json", "malformed"),
+        (b"[1, 2]", "malformed"),
+        (b"\xff\xfe", "malformed"),
+        (line(v=99), "bad_version"),
+        (line(type="brag"), "unknown_type"),
+        (line(step="5"), "wrong_type"),
+        (line(loss="2.0"), "wrong_type"),
+        (line(gen=True), "wrong_type"),
+        (line(summary=[1]), "wrong_type"),
+    ],
+)
 def test_bad_lines_are_dropped_with_a_reason_never_raise(col, raw, why):
     assert col.ingest(0, raw, now=101) is None
     assert col.dropped[why] == 1
@@ -56,7 +68,9 @@ def test_unknown_rank_and_rank_spoofing_are_dropped(col):
 
 
 def test_nonfinite_metrics_pass_through_as_data(col):
-    msg = col.ingest(0, b'{"v":1,"type":"heartbeat","run":"r","gen":2,"rank":0,"step":6,"t":0,"loss":NaN}', 101)
+    msg = col.ingest(
+        0, b'{"v":1,"type":"heartbeat","run":"r","gen":2,"rank":0,"step":6,"t":0,"loss":NaN}', 101
+    )
     assert msg is not None and msg["loss"] != msg["loss"]
 
 

@@ -1,4 +1,5 @@
 """`spikeguard demo` end to end: the diverging example, 2 real ranks on an embedded Ray, recovered."""
+
 from __future__ import annotations
 
 import json
@@ -12,17 +13,36 @@ pytestmark = pytest.mark.slow
 
 def test_demo_recovers_the_diverging_example(tmp_path):
     run_dir = tmp_path / "demo"
-    r = subprocess.run([sys.executable, "-m", "spikeguard.supervisor.cli", "demo", "--run-dir", str(run_dir)],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "spikeguard.supervisor.cli", "demo", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    ev = subprocess.run([sys.executable, "-m", "spikeguard.supervisor.cli", "events", str(run_dir), "--json"],
-                        capture_output=True, text=True, timeout=60, check=True)
+    ev = subprocess.run(
+        [sys.executable, "-m", "spikeguard.supervisor.cli", "events", str(run_dir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     events = [json.loads(line) for line in ev.stdout.splitlines()]
     kinds = [e["kind"] for e in events]
-    story = ["incident", "kill", "rollback", "lr_cut", "optimizer_reset", "probation_start",
-             "probation_passed", "completed"]
+    story = [
+        "incident",
+        "kill",
+        "rollback",
+        "lr_cut",
+        "optimizer_reset",
+        "probation_start",
+        "probation_passed",
+        "completed",
+    ]
     it = iter(kinds)
-    assert all(k in it for k in story), kinds  # the story, in order (a failed probation may repeat it)
+    assert all(k in it for k in story), (
+        kinds
+    )  # the story, in order (a failed probation may repeat it)
     rollback = next(e for e in events if e["kind"] == "rollback")
     incident = next(e for e in events if e["kind"] == "incident")
     assert rollback["checkpoint_step"] <= incident["step"] - 200 and rollback["grade"] >= 4

@@ -12,6 +12,7 @@ to JSON Schema the way the API server reads a structural schema:
 
 The validator is shown to bite on broken copies of the manifests.
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,8 +20,9 @@ import fnmatch
 import functools
 import re
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jsonschema
 import pytest
@@ -31,7 +33,10 @@ DEPLOY = ROOT / "deploy"
 SHARED = ROOT.parent / "shared"
 CRD_DIR = SHARED / "reference" / "kuberay"
 CRD_FILES = {"RayJob": "ray.io_rayjobs.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
-MANIFESTS = {"rayjob": DEPLOY / "kuberay" / "rayjob.yaml", "raycluster": DEPLOY / "kuberay" / "raycluster.yaml"}
+MANIFESTS = {
+    "rayjob": DEPLOY / "kuberay" / "rayjob.yaml",
+    "raycluster": DEPLOY / "kuberay" / "raycluster.yaml",
+}
 RUN_MOUNT = "/mnt/spikeguard"
 IMAGE = "spikeguard:latest"
 
@@ -49,12 +54,12 @@ _FORMATS = jsonschema.FormatChecker(formats=())
 
 @_FORMATS.checks("int32")
 def _int32(v: object) -> bool:
-    return not isinstance(v, int) or -(2 ** 31) <= v < 2 ** 31
+    return not isinstance(v, int) or -(2**31) <= v < 2**31
 
 
 @_FORMATS.checks("int64")
 def _int64(v: object) -> bool:
-    return not isinstance(v, int) or -(2 ** 63) <= v < 2 ** 63
+    return not isinstance(v, int) or -(2**63) <= v < 2**63
 
 
 def structural_to_jsonschema(node: Any, *, strict: bool = True) -> Any:
@@ -66,41 +71,56 @@ def structural_to_jsonschema(node: Any, *, strict: bool = True) -> Any:
     out: dict[str, Any] = {}
     for key, val in node.items():
         if key == "properties":  # a map of field names, not of keywords
-            out[key] = {name: structural_to_jsonschema(sub, strict=strict) for name, sub in val.items()}
+            out[key] = {
+                name: structural_to_jsonschema(sub, strict=strict) for name, sub in val.items()
+            }
         elif key in ("items", "additionalProperties", "not") and isinstance(val, dict):
             out[key] = structural_to_jsonschema(val, strict=strict)
         elif key in ("anyOf", "allOf", "oneOf"):
             out[key] = [structural_to_jsonschema(n, strict=strict) for n in val]
-        elif key.startswith("x-kubernetes-") or key in ("nullable", "description", "example", "externalDocs"):
+        elif key.startswith("x-kubernetes-") or key in (
+            "nullable",
+            "description",
+            "example",
+            "externalDocs",
+        ):
             continue
         else:  # type, format, enum, required, pattern, min/max*, default, …
             out[key] = val
     if node.get("x-kubernetes-int-or-string") and "type" not in node and "anyOf" not in node:
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-    if (strict and "properties" in node and "additionalProperties" not in node
-            and not node.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        strict
+        and "properties" in node
+        and "additionalProperties" not in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     if node.get("nullable"):
         out = {"anyOf": [out, {"type": "null"}]}
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _crd(kind: str) -> dict[str, Any]:
     path = CRD_DIR / CRD_FILES[kind]
     if not path.exists():
-        pytest.skip(f"KubeRay CRDs not found at {CRD_DIR}: CI keeps shared/ beside the checkout "
-                    "(../shared); without it the manifests cannot be checked against their schemas")
+        pytest.skip(
+            f"KubeRay CRDs not found at {CRD_DIR}: CI keeps shared/ beside the checkout "
+            "(../shared); without it the manifests cannot be checked against their schemas"
+        )
     return _load(path)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _validator(kind: str, version: str, strict: bool) -> jsonschema.protocols.Validator:
     crd = _crd(kind)
     versions = {v["name"]: v for v in crd["spec"]["versions"]}
     if version not in versions or not versions[version].get("served"):
-        raise LookupError(f"{kind} {crd['spec']['group']}/{version} is not served by the CRD "
-                          f"(served: {sorted(n for n, v in versions.items() if v.get('served'))})")
+        raise LookupError(
+            f"{kind} {crd['spec']['group']}/{version} is not served by the CRD "
+            f"(served: {sorted(n for n, v in versions.items() if v.get('served'))})"
+        )
     schema = structural_to_jsonschema(versions[version]["schema"]["openAPIV3Schema"], strict=strict)
     jsonschema.Draft4Validator.check_schema(schema)
     return jsonschema.Draft4Validator(schema, format_checker=_FORMATS)
@@ -124,15 +144,20 @@ def k8s_errors(manifest: Any, *, strict: bool = True) -> list[str]:
         validator = _validator(kind, version, strict)
     except LookupError as e:
         return [f"apiVersion: {e}"]
-    errors = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
-              for e in validator.iter_errors(manifest)]
+    errors = [
+        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in validator.iter_errors(manifest)
+    ]
     name = (manifest.get("metadata") or {}).get("name")
     if not isinstance(name, str) or len(name) > 63 or not _DNS1123.match(name):
-        errors.append(f"metadata.name: {name!r} is not a DNS-1123 label (a-z, 0-9, '-', at most 63)")
+        errors.append(
+            f"metadata.name: {name!r} is not a DNS-1123 label (a-z, 0-9, '-', at most 63)"
+        )
     return sorted(errors)
 
 
 # -- helpers over the manifests -------------------------------------------------------------------
+
 
 def _manifest(key: str) -> dict[str, Any]:
     return _load(MANIFESTS[key])
@@ -174,14 +199,20 @@ def _dockerfile() -> list[tuple[str, str]]:
 
 
 def _dockerignored(rel: str) -> bool:
-    patterns = [ln.strip() for ln in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
-                if ln.strip() and not ln.startswith("#")]
+    patterns = [
+        ln.strip()
+        for ln in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     parts = rel.split("/")
     ignored = False
     for p in patterns:
         neg, p = p.startswith("!"), p.lstrip("!").rstrip("/")
         prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
-        hit = any(fnmatch.fnmatch(pre, p) or fnmatch.fnmatch(pre, p.replace("**/", "")) for pre in prefixes)
+        hit = any(
+            fnmatch.fnmatch(pre, p) or fnmatch.fnmatch(pre, p.replace("**/", ""))
+            for pre in prefixes
+        )
         if hit:
             ignored = not neg
     return ignored
@@ -198,7 +229,7 @@ def image_path_source(image_path: str) -> Path | None:
         for src in srcs:
             if src == ".":
                 if image_path.startswith(dest.rstrip("/") + "/"):
-                    rel = image_path[len(dest.rstrip("/")) + 1:]
+                    rel = image_path[len(dest.rstrip("/")) + 1 :]
                     if (ROOT / rel).exists() and not _dockerignored(rel):
                         found = ROOT / rel
             elif dest == image_path or (dest.endswith("/") and dest + Path(src).name == image_path):
@@ -215,6 +246,7 @@ def _job_gpu():
 
 # -- the manifests against the CRDs -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("key", sorted(MANIFESTS))
 def test_manifest_validates_against_crd(key: str) -> None:
     m = _manifest(key)
@@ -228,32 +260,72 @@ def _break(key: str, edit) -> list[str]:
     return k8s_errors(m)
 
 
-@pytest.mark.parametrize("key,edit,expect", [
-    ("raycluster", lambda m: m["spec"].pop("headGroupSpec"), "'headGroupSpec' is a required property"),
-    ("rayjob", lambda m: m["spec"]["rayClusterSpec"]["workerGroupSpecs"][0].__setitem__("replicas", "two"),
-     "'two' is not of type 'integer'"),
-    ("raycluster", lambda m: m["spec"]["workerGroupSpecs"][0].pop("groupName"),
-     "'groupName' is a required property"),
-    ("rayjob", lambda m: m["spec"].__setitem__("shutdownAfterJobFinish", True),  # a typo
-     "Additional properties are not allowed ('shutdownAfterJobFinish' was unexpected)"),
-    ("raycluster", lambda m: m["spec"]["headGroupSpec"]["rayStartParams"].__setitem__("num-cpus", 0),
-     "0 is not of type 'string'"),  # rayStartParams values are strings
-    ("rayjob", lambda m: m["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
-     ["resources"]["limits"].__setitem__("memory", "512 GiB"), "does not match"),  # not a quantity
-    ("raycluster", lambda m: m["spec"]["workerGroupSpecs"][0].__setitem__("maxReplicas", 2 ** 31), "int32"),
-    ("raycluster", lambda m: m.__setitem__("apiVersion", "ray.io/v2"), "not served"),
-    ("rayjob", lambda m: m["metadata"].__setitem__("name", "Spikeguard_Job"), "DNS-1123"),
-])
+@pytest.mark.parametrize(
+    "key,edit,expect",
+    [
+        (
+            "raycluster",
+            lambda m: m["spec"].pop("headGroupSpec"),
+            "'headGroupSpec' is a required property",
+        ),
+        (
+            "rayjob",
+            lambda m: m["spec"]["rayClusterSpec"]["workerGroupSpecs"][0].__setitem__(
+                "replicas", "two"
+            ),
+            "'two' is not of type 'integer'",
+        ),
+        (
+            "raycluster",
+            lambda m: m["spec"]["workerGroupSpecs"][0].pop("groupName"),
+            "'groupName' is a required property",
+        ),
+        (
+            "rayjob",
+            lambda m: m["spec"].__setitem__("shutdownAfterJobFinish", True),  # a typo
+            "Additional properties are not allowed ('shutdownAfterJobFinish' was unexpected)",
+        ),
+        (
+            "raycluster",
+            lambda m: m["spec"]["headGroupSpec"]["rayStartParams"].__setitem__("num-cpus", 0),
+            "0 is not of type 'string'",
+        ),  # rayStartParams values are strings
+        (
+            "rayjob",
+            lambda m: m["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"][
+                "containers"
+            ][0]["resources"]["limits"].__setitem__("memory", "512 GiB"),
+            "does not match",
+        ),  # not a quantity
+        (
+            "raycluster",
+            lambda m: m["spec"]["workerGroupSpecs"][0].__setitem__("maxReplicas", 2**31),
+            "int32",
+        ),
+        ("raycluster", lambda m: m.__setitem__("apiVersion", "ray.io/v2"), "not served"),
+        ("rayjob", lambda m: m["metadata"].__setitem__("name", "Spikeguard_Job"), "DNS-1123"),
+    ],
+)
 def test_validator_rejects_broken_manifests(key: str, edit, expect: str) -> None:
     errors = _break(key, edit)
     assert any(expect in e for e in errors), errors
 
 
 def test_int_or_string_and_nullable_translation() -> None:
-    schema = structural_to_jsonschema({"type": "object", "properties": {
-        "port": {"x-kubernetes-int-or-string": True},
-        "maybe": {"type": "string", "nullable": True},
-        "free": {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "properties": {"a": {}}}}})
+    schema = structural_to_jsonschema(
+        {
+            "type": "object",
+            "properties": {
+                "port": {"x-kubernetes-int-or-string": True},
+                "maybe": {"type": "string", "nullable": True},
+                "free": {
+                    "type": "object",
+                    "x-kubernetes-preserve-unknown-fields": True,
+                    "properties": {"a": {}},
+                },
+            },
+        }
+    )
     v = jsonschema.Draft4Validator(schema)
     assert v.is_valid({"port": 8080, "maybe": None, "free": {"a": 1, "anything": 2}})
     assert v.is_valid({"port": "http"})
@@ -264,16 +336,24 @@ def test_int_or_string_and_nullable_translation() -> None:
 
 # -- the example job and how the manifests run it ---------------------------------------------------
 
+
 def test_job_gpu_loads_with_the_real_job_model() -> None:
     from spikeguard.policies import load_policy
 
     job = _job_gpu()
-    assert (job.workers, job.gpus_per_worker, job.backend, job.resolved_backend()) == (8, 1, "nccl", "nccl")
+    assert (job.workers, job.gpus_per_worker, job.backend, job.resolved_backend()) == (
+        8,
+        1,
+        "nccl",
+        "nccl",
+    )
     assert job.run_dir.startswith(RUN_MOUNT + "/"), "run_dir must be on the shared volume, absolute"
     assert job.policy == "default"
     load_policy(job.policy)
     assert job.notify.slack is not None and job.notify.slack.channel
-    assert job.entrypoint.startswith("-m spikeguard."), "runs from any directory, in the image as here"
+    assert job.entrypoint.startswith("-m spikeguard."), (
+        "runs from any directory, in the image as here"
+    )
 
 
 def test_rayjob_entrypoint_runs_spikeguard_on_a_job_the_image_contains() -> None:
@@ -289,11 +369,22 @@ def test_rayjob_entrypoint_runs_spikeguard_on_a_job_the_image_contains() -> None
 
 
 def test_image_layout_has_what_pip_install_needs() -> None:
-    for rel in ("pyproject.toml", "README.md", "workers/session.py", "policies/default.yaml",
-                "supervisor/cli.py", "examples/gpt_diverge.py"):
+    for rel in (
+        "pyproject.toml",
+        "README.md",
+        "workers/session.py",
+        "policies/default.yaml",
+        "supervisor/cli.py",
+        "examples/gpt_diverge.py",
+    ):
         assert not _dockerignored(rel), rel
         assert image_path_source("/app/" + rel) == ROOT / rel
-    for rel in (".git/HEAD", ".venv/bin/python", "runs/x/journal.jsonl", "spikeguard.egg-info/PKG-INFO"):
+    for rel in (
+        ".git/HEAD",
+        ".venv/bin/python",
+        "runs/x/journal.jsonl",
+        "spikeguard.egg-info/PKG-INFO",
+    ):
         assert _dockerignored(rel), rel
 
 
@@ -307,26 +398,37 @@ def test_manifests_agree_with_image_volume_secret_and_job(key: str) -> None:
     assert job.run_dir.startswith(RUN_MOUNT + "/")
     gpus_total = 0.0
     for group, pod, replicas in _pod_specs(m):
-        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
-                  for v in pod.get("volumes", []) if "persistentVolumeClaim" in v}
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]["claimName"]
+            for v in pod.get("volumes", [])
+            if "persistentVolumeClaim" in v
+        }
         for c in pod["containers"]:
             assert c["image"] == IMAGE, (group, c["name"])
             mounts = {vm["mountPath"]: vm["name"] for vm in c.get("volumeMounts", [])}
-            assert claims.get(mounts.get(RUN_MOUNT)) == pvc["metadata"]["name"], \
+            assert claims.get(mounts.get(RUN_MOUNT)) == pvc["metadata"]["name"], (
                 f"{group}/{c['name']} does not mount the run-dir PVC at {RUN_MOUNT}"
+            )
             env = {e["name"]: e for e in c.get("env", [])}
             if "SLACK_BOT_TOKEN" in env:
-                assert "value" not in env["SLACK_BOT_TOKEN"], "the token comes from a Secret, not a literal"
-                assert group == "head", f"{group}: only the supervisor (on the head) needs the Slack token"
+                assert "value" not in env["SLACK_BOT_TOKEN"], (
+                    "the token comes from a Secret, not a literal"
+                )
+                assert group == "head", (
+                    f"{group}: only the supervisor (on the head) needs the Slack token"
+                )
             res = c.get("resources", {})
             gpu = res.get("limits", {}).get("nvidia.com/gpu")
             if gpu is not None:
-                assert res.get("requests", {}).get("nvidia.com/gpu", gpu) == gpu, "GPU requests must equal limits"
+                assert res.get("requests", {}).get("nvidia.com/gpu", gpu) == gpu, (
+                    "GPU requests must equal limits"
+                )
                 per_pod = int(gpu)
                 gpus_total += per_pod * replicas
                 ranks_per_pod = per_pod // job.gpus_per_worker
-                assert _quantity(res["limits"]["cpu"]) >= ranks_per_pod * job.cpus_per_worker, \
+                assert _quantity(res["limits"]["cpu"]) >= ranks_per_pod * job.cpus_per_worker, (
                     f"{group}: {per_pod} GPUs but too few CPUs for {ranks_per_pod} ranks of the job"
+                )
                 mounts_shm = any(vm["mountPath"] == "/dev/shm" for vm in c.get("volumeMounts", []))
                 assert mounts_shm, f"{group}: NCCL needs a larger /dev/shm"
         if group == "head":
@@ -340,6 +442,7 @@ def test_manifests_agree_with_image_volume_secret_and_job(key: str) -> None:
 
 
 # -- the image ------------------------------------------------------------------------------------
+
 
 def _from_tag_version() -> str:
     froms = [a for i, a in _dockerfile() if i == "FROM"]
@@ -355,7 +458,9 @@ def test_dockerfile_base_matches_ray_and_installs_non_editable_as_non_root() -> 
     version = _from_tag_version()
     assert version.split(".")[:2] == ray.__version__.split(".")[:2], (version, ray.__version__)
     text = (DEPLOY / "Dockerfile").read_text()
-    assert re.search(r"#.*tag MUST match the Ray version", text), "say that the tag must match the cluster's Ray"
+    assert re.search(r"#.*tag MUST match the Ray version", text), (
+        "say that the tag must match the cluster's Ray"
+    )
     instrs = _dockerfile()
     pips = [a for i, a in instrs if i == "RUN" and "pip install" in a]
     assert any(re.search(r"pip install [^&]*/app\b", a) for a in pips)
@@ -366,11 +471,14 @@ def test_dockerfile_base_matches_ray_and_installs_non_editable_as_non_root() -> 
 
 # -- the cluster launcher -------------------------------------------------------------------------
 
+
 def test_ray_cluster_config_is_valid_for_ray_up() -> None:
     from ray.autoscaler._private.util import prepare_config, validate_config
 
     config = _load(DEPLOY / "ray-cluster.yaml")
-    validate_config(prepare_config(copy.deepcopy(config)))  # what `ray up` does before anything else
+    validate_config(
+        prepare_config(copy.deepcopy(config))
+    )  # what `ray up` does before anything else
     setup = " ; ".join(config["setup_commands"])
     assert re.search(r"pip install (-q )?~/spikeguard\b", setup) and "-e " not in setup
     assert f"ray[default]=={_from_tag_version()}" in setup
@@ -380,6 +488,7 @@ def test_ray_cluster_config_is_valid_for_ray_up() -> None:
 
 
 # -- every file -----------------------------------------------------------------------------------
+
 
 def test_every_yaml_file_in_deploy_parses() -> None:
     files = sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml"))
@@ -405,12 +514,14 @@ def test_no_secret_in_deploy_and_the_secret_example_holds_a_placeholder() -> Non
 
 def test_readme_gives_the_three_ways_and_its_links_exist() -> None:
     text = (DEPLOY / "README.md").read_text(encoding="utf-8")
-    for cmd in ("spikeguard submit job.yaml --address auto",
-                "ray job submit --address http://HEAD:8265 --working-dir . -- spikeguard submit job.yaml --address auto",
-                "kubectl apply -f deploy/kuberay/rayjob.yaml",
-                "kubectl apply -f deploy/kuberay/raycluster.yaml",
-                "docker build -f deploy/Dockerfile -t spikeguard:latest .",
-                "valueFrom"):
+    for cmd in (
+        "spikeguard submit job.yaml --address auto",
+        "ray job submit --address http://HEAD:8265 --working-dir . -- spikeguard submit job.yaml --address auto",
+        "kubectl apply -f deploy/kuberay/rayjob.yaml",
+        "kubectl apply -f deploy/kuberay/raycluster.yaml",
+        "docker build -f deploy/Dockerfile -t spikeguard:latest .",
+        "valueFrom",
+    ):
         assert cmd in text, cmd
     for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
         assert (DEPLOY / link).exists(), link

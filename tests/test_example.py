@@ -5,6 +5,7 @@ MASTER_ADDR, MASTER_PORT) run a few dozen steps and append rank-side reports
 to one JSONL file; then one process resumes from the checkpoint the job wrote,
 under a supervisor-style plan (LR x0.5, optimizer reset, a skipped step).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,16 +31,33 @@ def _free_port() -> int:
 
 def _env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPIKEGUARD_")}
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **extra)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        **extra,
+    )
     return env
 
 
-def _run(argv: list[str], world: int, timeout: float = 120, **extra: str) -> list[subprocess.CompletedProcess]:
+def _run(
+    argv: list[str], world: int, timeout: float = 120, **extra: str
+) -> list[subprocess.CompletedProcess]:
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), *argv], env=_env(r, world, port, **extra),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), *argv],
+            env=_env(r, world, port, **extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
     out = []
     try:
         for p in procs:
@@ -61,12 +79,35 @@ def _read(path: Path) -> list[dict]:
 def job(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("example")
     report, ckpt = tmp / "reports.jsonl", tmp / "ckpt"
-    argv = ["--steps", str(STEPS), "--seed", "3", "--sample-every", "10", "--ckpt-every", "20",
-            "--ckpt-dir", str(ckpt), "--report", f"jsonl://{report}", "--log-every", "10", "--warmup", "30"]
+    argv = [
+        "--steps",
+        str(STEPS),
+        "--seed",
+        "3",
+        "--sample-every",
+        "10",
+        "--ckpt-every",
+        "20",
+        "--ckpt-dir",
+        str(ckpt),
+        "--report",
+        f"jsonl://{report}",
+        "--log-every",
+        "10",
+        "--warmup",
+        "30",
+    ]
     res = _run(argv, world=2)
     for r, cp in enumerate(res):
         assert cp.returncode == 0, f"rank {r} failed:\n{cp.stdout}"
-    return {"tmp": tmp, "report": report, "ckpt": ckpt, "out": res, "msgs": _read(report), "argv": argv}
+    return {
+        "tmp": tmp,
+        "report": report,
+        "ckpt": ckpt,
+        "out": res,
+        "msgs": _read(report),
+        "argv": argv,
+    }
 
 
 def test_two_rank_job_reports_heartbeats_and_layer_signals(job):
@@ -90,12 +131,19 @@ def test_two_rank_job_reports_heartbeats_and_layer_signals(job):
             for i in range(3):
                 assert {"erank_ratio", "grade"} <= set(layers[f"blocks.{i}"])
                 attn = layers[f"blocks.{i}.attn"]
-                assert {"attn_entropy_mean", "attn_entropy_min", "attn_entropy_min_norm", "max_logit"} <= set(attn)
+                assert {
+                    "attn_entropy_mean",
+                    "attn_entropy_min",
+                    "attn_entropy_min_norm",
+                    "max_logit",
+                } <= set(attn)
                 assert 0.0 < attn["attn_entropy_min_norm"] <= 1.0 + 1e-6
             assert {"logz_mean", "logz_max"} <= set(layers["lm_head"])
             assert {"grade", "max_logit", "worst_layer"} <= set(m["summary"])
     # the gradients are all-reduced: both ranks report the same grad norm every step
-    gn = {(m["rank"], m["step"]): m["grad_norm"] for m in msgs if m["type"] in ("heartbeat", "report")}
+    gn = {
+        (m["rank"], m["step"]): m["grad_norm"] for m in msgs if m["type"] in ("heartbeat", "report")
+    }
     assert all(math.isclose(gn[(0, s)], gn[(1, s)], rel_tol=1e-5) for s in range(STEPS))
     # rank 0 alone checkpoints, at 20 (step 0 is skipped by design)
     ck = [m for m in msgs if m["type"] == "checkpoint"]
@@ -107,8 +155,14 @@ def test_resume_under_a_plan_starts_after_the_checkpoint(job):
     from spikeguard.workers.contract import ResumePlan
 
     ck = next(m for m in job["msgs"] if m["type"] == "checkpoint")
-    plan = ResumePlan(checkpoint=ck["path"], sha256=ck["sha256"], lr_scale=0.5, reset_optimizer=True,
-                      skip_ranges=((22, 23),), generation=1)
+    plan = ResumePlan(
+        checkpoint=ck["path"],
+        sha256=ck["sha256"],
+        lr_scale=0.5,
+        reset_optimizer=True,
+        skip_ranges=((22, 23),),
+        generation=1,
+    )
     plan_path = job["tmp"] / "plan.json"
     plan_path.write_text(plan.to_json())
     report = job["tmp"] / "resumed.jsonl"
@@ -118,7 +172,11 @@ def test_resume_under_a_plan_starts_after_the_checkpoint(job):
     assert cp.returncode == 0, cp.stdout
     msgs = _read(report)
     resumed = next(m for m in msgs if m["type"] == "resumed")
-    assert resumed["lr_scale"] == 0.5 and resumed["optimizer_reset"] is True and resumed["from_step"] == 21
+    assert (
+        resumed["lr_scale"] == 0.5
+        and resumed["optimizer_reset"] is True
+        and resumed["from_step"] == 21
+    )
     assert [m["step"] for m in msgs if m["type"] == "skipped"] == [22, 23]
     beats = {m["step"]: m for m in msgs if m["type"] in ("heartbeat", "report")}
     assert sorted(beats) == [21] + list(range(24, STEPS))
@@ -132,7 +190,6 @@ def test_resume_under_a_plan_starts_after_the_checkpoint(job):
 
 def test_batches_are_a_function_of_seed_step_rank():
     import torch
-
     from spikeguard.examples.data import Batches
 
     corpus = torch.arange(10_000, dtype=torch.int64).remainder(256).to(torch.uint8)

@@ -1,4 +1,5 @@
 """Time: hang detection runs on monotonic clocks only; a wall-clock jump never fires it (no Ray)."""
+
 from __future__ import annotations
 
 import json
@@ -6,10 +7,9 @@ import time
 from pathlib import Path
 
 from conftest import events, kinds
-
 from spikeguard.policies import Engine, load_policy
-from spikeguard.supervisor.collector import Collector
 from spikeguard.supervisor import recovery as rc
+from spikeguard.supervisor.collector import Collector
 from spikeguard.supervisor.controller import Controller
 
 POLICY = Path(__file__).parent / "data" / "toy_policy.yaml"
@@ -32,10 +32,27 @@ class FakeGroup:
         self.step += 1
         out = []
         for r in range(2):
-            lines = [] if r in self.silent else [json.dumps(
-                {"v": 1, "type": "heartbeat", "run": "t", "gen": self.gen, "rank": r, "step": self.step,
-                 "t": time.time(), "loss": 2.0}).encode()]
-            out.append({"rank": r, "generation": self.gen, "lines": lines, "overflow": 0, "exit": None})
+            lines = (
+                []
+                if r in self.silent
+                else [
+                    json.dumps(
+                        {
+                            "v": 1,
+                            "type": "heartbeat",
+                            "run": "t",
+                            "gen": self.gen,
+                            "rank": r,
+                            "step": self.step,
+                            "t": time.time(),
+                            "loss": 2.0,
+                        }
+                    ).encode()
+                ]
+            )
+            out.append(
+                {"rank": r, "generation": self.gen, "lines": lines, "overflow": 0, "exit": None}
+            )
         return out
 
     def kill(self, grace_s=0.0):
@@ -46,22 +63,38 @@ class FakeGroup:
 def test_collector_hangs_depend_only_on_the_time_passed_in():
     c = Collector(world_size=1, hang_timeout_s=5, first_heartbeat_timeout_s=50)
     c.new_generation(1, now=100.0)
-    c.ingest(0, json.dumps({"v": 1, "type": "heartbeat", "run": "t", "gen": 1, "rank": 0, "step": 0,
-                            "t": 9e12}).encode(), now=101.0)  # the rank's own clock is absurd: ignored
+    c.ingest(
+        0,
+        json.dumps(
+            {"v": 1, "type": "heartbeat", "run": "t", "gen": 1, "rank": 0, "step": 0, "t": 9e12}
+        ).encode(),
+        now=101.0,
+    )  # the rank's own clock is absurd: ignored
     assert c.check_hangs(105.9) == []
     assert [m["type"] for m in c.check_hangs(106.1)] == ["hang"]
 
 
 def test_a_wall_clock_jump_does_not_fire_a_hang_but_monotonic_time_does(tmp_path, monkeypatch):
     group = FakeGroup()
-    ctl = Controller(run_dir=str(tmp_path), run_id="t", group=group, engine=Engine(load_policy(str(POLICY))),
-                     cmd=["true"], env={}, world_size=2, hang_timeout_s=5.0, first_heartbeat_timeout_s=60.0,
-                     reap_interval_s=1e9)
+    ctl = Controller(
+        run_dir=str(tmp_path),
+        run_id="t",
+        group=group,
+        engine=Engine(load_policy(str(POLICY))),
+        cmd=["true"],
+        env={},
+        world_size=2,
+        hang_timeout_s=5.0,
+        first_heartbeat_timeout_s=60.0,
+        reap_interval_s=1e9,
+    )
     ctl._apply(rc.Start())
     ctl.step()
     real_time = time.time
     group.silent = {1}  # rank 1 goes quiet...
-    monkeypatch.setattr(time, "time", lambda: real_time() + 10 * 3600)  # ...while NTP jumps 10 h ahead
+    monkeypatch.setattr(
+        time, "time", lambda: real_time() + 10 * 3600
+    )  # ...while NTP jumps 10 h ahead
     for _ in range(5):
         ctl.step()
     monkeypatch.setattr(time, "time", lambda: real_time() - 3600)  # and back an hour

@@ -1,16 +1,19 @@
 """The journal -> state fold, restarts, fail-fast, launch failures and backoff: the pure machine, no Ray."""
+
 from __future__ import annotations
 
 import json
 from typing import Any
 
 import pytest
-
 from spikeguard.supervisor import recovery as rc
 
 S = rc.Settings(lr_factors=(0.5, 0.3), probation_steps=100, max_attempts=2, min_grade=4)
 CRASH = rc.Settings(lr_factors=(1.0,), reset_optimizer=False, probation_steps=100, max_attempts=2)
-RANKS = ({"rank": 0, "pid": 101, "node_id": "n0", "host": "h"}, {"rank": 1, "pid": 102, "node_id": "n1", "host": "h"})
+RANKS = (
+    {"rank": 0, "pid": 101, "node_id": "n0", "host": "h"},
+    {"rank": 1, "pid": 102, "node_id": "n1", "host": "h"},
+)
 
 
 def recover(step: int, rule: str = "loss-spike", settings: rc.Settings = S) -> rc.Recover:
@@ -35,7 +38,9 @@ class Run:
         # what the journal holds is JSON: fold must work from the round trip
         self.journal += [json.loads(json.dumps(e)) for e in t.events]
         if t.events:
-            assert rc.fold(self.journal) == self.state, f"fold differs after {[e['kind'] for e in t.events]}"
+            assert rc.fold(self.journal) == self.state, (
+                f"fold differs after {[e['kind'] for e in t.events]}"
+            )
             self.checked += 1
         return t
 
@@ -51,19 +56,19 @@ def test_fold_equals_the_live_state_after_every_journaled_transition():
     r = Run()
     r.feed(rc.Start())
     r.feed(launched(1))
-    r.feed(recover(250))                                   # inc-001
+    r.feed(recover(250))  # inc-001
     r.feed(rc.Killed((0, 1), 0.2, forced=(1,)))
     r.feed(ckpt(200))
     r.feed(launched(2))
     r.feed(rc.LaunchFailed("rank 1 exited 1 before its first heartbeat", 3, rank=1, exit_code=1))
-    r.feed(rc.Killed((0, 1), 0.1))                        # ignored while relaunching
+    r.feed(rc.Killed((0, 1), 0.1))  # ignored while relaunching
     r.feed(launched(3))
-    r.feed(recover(260))                                   # probation fails: attempt 2
+    r.feed(recover(260))  # probation fails: attempt 2
     r.feed(rc.Killed((0, 1), 0.1))
     r.feed(ckpt(200))
     r.feed(launched(4))
-    r.feed(rc.Progress(301))                               # passes
-    r.feed(recover(900, rule="crash", settings=CRASH))    # inc-002
+    r.feed(rc.Progress(301))  # passes
+    r.feed(recover(900, rule="crash", settings=CRASH))  # inc-002
     r.feed(rc.Killed((0, 1), 0.1, unreachable=(0,)))
     r.feed(ckpt(880))
     r.feed(launched(5))
@@ -76,7 +81,9 @@ def test_fold_equals_the_live_state_after_every_journaled_transition():
     assert first["kind"] == "launch" and first["pids"] == [101, 102] and first["cause"] == "initial"
 
 
-@pytest.mark.parametrize("end", ["escalated", "hold", "no_checkpoint", "stopped", "failed", "launch_gave_up"])
+@pytest.mark.parametrize(
+    "end", ["escalated", "hold", "no_checkpoint", "stopped", "failed", "launch_gave_up"]
+)
 def test_fold_of_every_terminal_outcome(end):
     r = Run()
     r.feed(rc.Start())
@@ -105,32 +112,65 @@ def test_fold_of_every_terminal_outcome(end):
                 r.feed(ckpt(200))
                 r.feed(launched(3))
                 r.feed(recover(280))
-    want = {"escalated": rc.Phase.ESCALATED, "hold": rc.Phase.HOLDING, "no_checkpoint": rc.Phase.ESCALATED,
-            "stopped": rc.Phase.STOPPED, "failed": rc.Phase.FAILED, "launch_gave_up": rc.Phase.FAILED}[end]
+    want = {
+        "escalated": rc.Phase.ESCALATED,
+        "hold": rc.Phase.HOLDING,
+        "no_checkpoint": rc.Phase.ESCALATED,
+        "stopped": rc.Phase.STOPPED,
+        "failed": rc.Phase.FAILED,
+        "launch_gave_up": rc.Phase.FAILED,
+    }[end]
     assert r.state.phase is want and rc.fold(r.journal).phase is want
-    assert rc.fold(r.journal).exit_code == {"hold": None, "stopped": 5, "failed": 1, "launch_gave_up": 1}.get(end, 3)
+    assert rc.fold(r.journal).exit_code == {
+        "hold": None,
+        "stopped": 5,
+        "failed": 1,
+        "launch_gave_up": 1,
+    }.get(end, 3)
 
 
 def test_the_same_rule_at_the_same_step_again_fails_fast_not_after_the_whole_budget():
     r = Run()
-    for obs in (rc.Start(), launched(1), recover(30, "crash", CRASH), rc.Killed((0, 1), 0.1), ckpt(20), launched(2)):
+    for obs in (
+        rc.Start(),
+        launched(1),
+        recover(30, "crash", CRASH),
+        rc.Killed((0, 1), 0.1),
+        ckpt(20),
+        launched(2),
+    ):
         r.feed(obs)
-    t = r.feed(recover(30, "crash", CRASH))  # budget 2, one attempt used: only the recurrence stops it
+    t = r.feed(
+        recover(30, "crash", CRASH)
+    )  # budget 2, one attempt used: only the recurrence stops it
     assert r.kinds()[-2:] == ["probation_failed", "escalated"]
     esc = t.events[-1]
     assert esc["fail_fast"] is True and "recurred at step 30" in esc["reason"]
     assert r.state.phase is rc.Phase.ESCALATED and t.effects[-1] == rc.Shutdown(3)
     # reports are asynchronous: a step or two apart is the same recurrence
     r1 = Run()
-    for obs in (rc.Start(), launched(1), recover(30, "crash", CRASH), rc.Killed((0, 1), 0.1), ckpt(20), launched(2)):
+    for obs in (
+        rc.Start(),
+        launched(1),
+        recover(30, "crash", CRASH),
+        rc.Killed((0, 1), 0.1),
+        ckpt(20),
+        launched(2),
+    ):
         r1.feed(obs)
     r1.feed(recover(31, "crash", CRASH))
     assert r1.state.phase is rc.Phase.ESCALATED and "steps 30 and 31" in r1.journal[-1]["reason"]
     # the same rule further on, or another rule at the same step, is an ordinary second attempt
     for obs in (recover(35, "crash", CRASH), recover(30, "hang", CRASH)):
         r2 = Run()
-        for o in (rc.Start(), launched(1), recover(30, "crash", CRASH), rc.Killed((0, 1), 0.1), ckpt(20),
-                  launched(2)):
+        for o in (
+            rc.Start(),
+            launched(1),
+            recover(30, "crash", CRASH),
+            rc.Killed((0, 1), 0.1),
+            ckpt(20),
+            launched(2),
+        ):
             r2.feed(o)
         r2.feed(obs)
         assert r2.state.phase is rc.Phase.KILLING and r2.journal[-1]["attempt"] == 2
@@ -142,8 +182,15 @@ def test_launch_failures_are_retried_outside_the_budget_with_backoff_then_fail()
     r.feed(launched(1))
     attempts = []
     for gen in (2, 3, 4):
-        t = r.feed(rc.LaunchFailed("rank 0 exited with code 1 before its first heartbeat", 3, rank=0, exit_code=1,
-                                   details={"log_tail": "EADDRINUSE"}))
+        t = r.feed(
+            rc.LaunchFailed(
+                "rank 0 exited with code 1 before its first heartbeat",
+                3,
+                rank=0,
+                exit_code=1,
+                details={"log_tail": "EADDRINUSE"},
+            )
+        )
         kill, launch = t.effects
         assert isinstance(kill, rc.Kill) and launch.plan.generation == gen
         attempts.append(launch.backoff_attempt)
@@ -151,9 +198,16 @@ def test_launch_failures_are_retried_outside_the_budget_with_backoff_then_fail()
         assert r.state.phase is rc.Phase.RUNNING and r.state.incident is None
     assert attempts == [1, 2, 3]
     assert r.journal[-2]["log_tail"] == "EADDRINUSE"
-    t = r.feed(rc.LaunchFailed("rank 0 exited with code 1 before its first heartbeat", 3, rank=0, exit_code=1))
+    t = r.feed(
+        rc.LaunchFailed(
+            "rank 0 exited with code 1 before its first heartbeat", 3, rank=0, exit_code=1
+        )
+    )
     assert r.state.phase is rc.Phase.FAILED and r.state.exit_code == 1
-    assert r.kinds()[-2:] == ["launch_failed", "failed"] and "4 consecutive launch failures" in r.journal[-1]["reason"]
+    assert (
+        r.kinds()[-2:] == ["launch_failed", "failed"]
+        and "4 consecutive launch failures" in r.journal[-1]["reason"]
+    )
     assert "incident" not in r.kinds()
 
 
@@ -161,7 +215,9 @@ def test_a_launch_failure_after_a_rollback_keeps_the_incident_and_still_starts_p
     r = Run()
     for obs in (rc.Start(), launched(1), recover(250), rc.Killed((0, 1), 0.1), ckpt(200)):
         r.feed(obs)
-    t = r.feed(rc.LaunchFailed("launching generation 2 failed: placement", 3))  # the Launch effect itself failed
+    t = r.feed(
+        rc.LaunchFailed("launching generation 2 failed: placement", 3)
+    )  # the Launch effect itself failed
     assert t.effects[-1].plan.generation == 3 and t.effects[-1].plan.lr_scale == pytest.approx(0.5)
     r.feed(launched(3))
     assert r.state.phase is rc.Phase.PROBATION and r.state.probation_until == 301
@@ -176,8 +232,19 @@ def test_backoff_doubles_from_the_base_and_is_capped():
 def journal_until(kind: str, nth: int = 1) -> list[dict[str, Any]]:
     """A run's journal cut right after the ``nth`` event of ``kind`` (the supervisor died there)."""
     r = Run()
-    for obs in (rc.Start(), launched(1), recover(250), rc.Killed((0, 1), 0.1), ckpt(200), launched(2),
-                rc.Progress(301), recover(700), rc.Killed((0, 1), 0.1), ckpt(600), launched(3)):
+    for obs in (
+        rc.Start(),
+        launched(1),
+        recover(250),
+        rc.Killed((0, 1), 0.1),
+        ckpt(200),
+        launched(2),
+        rc.Progress(301),
+        recover(700),
+        rc.Killed((0, 1), 0.1),
+        ckpt(600),
+        launched(3),
+    ):
         r.feed(obs)
     seen = 0
     for i, e in enumerate(r.journal):
@@ -211,14 +278,20 @@ def test_restart_after_the_rollback_launches_the_journaled_plan_with_the_cut_lr(
     st, t = restarted(journal_until("rollback", 2))
     assert st.phase is rc.Phase.RELAUNCHING and st.lr_scale == pytest.approx(0.25)
     (launch,) = t.effects
-    assert launch.plan.checkpoint == "/c/600.pt" and launch.plan.generation == 3 and launch.plan.reset_optimizer
+    assert (
+        launch.plan.checkpoint == "/c/600.pt"
+        and launch.plan.generation == 3
+        and launch.plan.reset_optimizer
+    )
     t2 = rc.step(t.state, launched(3))
     assert [e["kind"] for e in t2.events] == ["launch", "probation_start"]
     assert t2.state.incident.id == "inc-002" and t2.state.incident.attempts == 1
 
 
 def test_restart_never_reuses_a_generation_that_may_have_been_launched():
-    _, t = restarted(journal_until("rollback", 2), highest=3)  # plans/gen003.json exists: it had begun
+    _, t = restarted(
+        journal_until("rollback", 2), highest=3
+    )  # plans/gen003.json exists: it had begun
     assert t.effects[0].plan.generation == 4
 
 
@@ -261,7 +334,10 @@ def test_restart_while_running_without_any_checkpoint_starts_over_with_the_lr_sc
 def test_restart_without_the_checkpoint_the_generation_resumed_from_escalates():
     _, t = restarted(journal_until("probation_start", 2))
     t2 = rc.step(t.state, rc.CheckpointChosen(None, skipped=(("/c/600.pt", "sha256 mismatch"),)))
-    assert t2.state.phase is rc.Phase.ESCALATED and [e["kind"] for e in t2.events] == ["resume", "escalated"]
+    assert t2.state.phase is rc.Phase.ESCALATED and [e["kind"] for e in t2.events] == [
+        "resume",
+        "escalated",
+    ]
 
 
 def test_restart_of_a_finished_run_changes_nothing():
@@ -274,7 +350,11 @@ def test_restart_of_a_finished_run_changes_nothing():
 
 def test_restart_of_a_held_run_keeps_holding():
     r = Run()
-    for obs in (rc.Start(), launched(1), recover(50, settings=rc.Settings(max_attempts=0, on_exhausted="hold"))):
+    for obs in (
+        rc.Start(),
+        launched(1),
+        recover(50, settings=rc.Settings(max_attempts=0, on_exhausted="hold")),
+    ):
         r.feed(obs)
     st, t = restarted(r.journal)
     assert st.phase is rc.Phase.HOLDING and t.effects == () and t.events == ()
@@ -282,8 +362,11 @@ def test_restart_of_a_held_run_keeps_holding():
 
 def test_fold_ignores_bookkeeping_and_unknown_events_and_lineage_follows_launches():
     evs = journal_until("probation_start", 2)
-    noisy = [{"kind": "notify_thread", "incident": "inc-001", "channel": "C", "ts": "1"},
-             {"kind": "reaped", "processes": []}, {"kind": "from-the-future"}] + evs
+    noisy = [
+        {"kind": "notify_thread", "incident": "inc-001", "channel": "C", "ts": "1"},
+        {"kind": "reaped", "processes": []},
+        {"kind": "from-the-future"},
+    ] + evs
     assert rc.fold(noisy) == rc.fold(evs)
     assert rc.lineage(evs) == [(1, None), (2, 200), (3, 600)]
     assert rc.fold([]) == rc.State()

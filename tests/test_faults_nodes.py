@@ -6,6 +6,7 @@ The head has no CPUs, so ranks only land on worker nodes; the supervisor (this t
 driver) runs on the head. Ray's node health check is tightened here (dead after ~3-4 s instead of
 its default ~60 s, see "Failure semantics" in the README) so the frozen-node test takes seconds.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,14 +14,17 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from conftest import When, alive, events, kinds, launch_of, reports, toy_job
 
 pytestmark = pytest.mark.slow
 POLICY = Path(__file__).parent / "data" / "toy_policy.yaml"
 MB80 = 80 * 1024 * 1024
-HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 500,
-          "health_check_initial_delay_ms": 0}
+HEALTH = {
+    "health_check_period_ms": 500,
+    "health_check_failure_threshold": 4,
+    "health_check_timeout_ms": 500,
+    "health_check_initial_delay_ms": 0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +34,18 @@ def cluster():
 
     if ray.is_initialized():
         ray.shutdown()  # the session's single-node Ray; conftest.ray_local restarts it on demand
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": MB80,
-                                                      "_system_config": HEALTH})
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "object_store_memory": MB80, "_system_config": HEALTH},
+    )
     for _ in range(3):
         c.add_node(num_cpus=1, object_store_memory=MB80)
-    ray.init(address=c.address, include_dashboard=False, log_to_driver=False, namespace="spikeguard-tests")
+    ray.init(
+        address=c.address,
+        include_dashboard=False,
+        log_to_driver=False,
+        namespace="spikeguard-tests",
+    )
     yield c
     ray.shutdown()
     c.shutdown()
@@ -47,7 +58,9 @@ def nodes(cluster):
 
     live = sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU"))
     for _ in range(3 - live):
-        cluster.add_node(num_cpus=1, object_store_memory=MB80)  # (Ray starts nodes from the main thread only)
+        cluster.add_node(
+            num_cpus=1, object_store_memory=MB80
+        )  # (Ray starts nodes from the main thread only)
     cluster.wait_for_nodes()
     return cluster
 
@@ -71,7 +84,9 @@ def proc_state(pid: int) -> str:
 
 
 def past_step(run_dir: Path, step: int):
-    return lambda evs: launch_of(evs, 1) and any(m.get("step", -1) >= step for m in reports(run_dir))
+    return lambda evs: (
+        launch_of(evs, 1) and any(m.get("step", -1) >= step for m in reports(run_dir))
+    )
 
 
 def test_a_removed_node_is_replaced_and_the_run_recovers(nodes, tmp_path):
@@ -93,16 +108,27 @@ def test_a_removed_node_is_replaced_and_the_run_recovers(nodes, tmp_path):
     kill = next(e for e in evs if e["kind"] == "kill")
     assert kill["unreachable"] == [1]
     gen2 = launch_of(evs, 2)
-    assert gone["node_id"] not in {r["node_id"] for r in gen2["ranks"]}  # a new gang on the live nodes
+    assert gone["node_id"] not in {
+        r["node_id"] for r in gen2["ranks"]
+    }  # a new gang on the live nodes
     assert not alive(gone["pid"])  # the orphaned rank of the removed node is gone too
     assert kinds(run_dir)[-1] == "completed"
 
 
-def test_a_frozen_node_is_fenced_and_its_rank_killed_by_pid_once_reachable(nodes, tmp_path, fail_at):
+def test_a_frozen_node_is_fenced_and_its_rank_killed_by_pid_once_reachable(
+    nodes, tmp_path, fail_at
+):
     fail_at(0, 35, "zombie")  # rank 0 (the checkpoint writer) freezes after step 35...
     out = tmp_path / "zombie.txt"
-    job = toy_job(tmp_path, policy=POLICY, faults=fail_at, steps=60, heartbeat_s=60,
-                  env={"SG_ZOMBIE_OUT": str(out)}, timeouts={"restart_backoff_s": 2.0, "agent_timeout_s": 15})
+    job = toy_job(
+        tmp_path,
+        policy=POLICY,
+        faults=fail_at,
+        steps=60,
+        heartbeat_s=60,
+        env={"SG_ZOMBIE_OUT": str(out)},
+        timeouts={"restart_backoff_s": 2.0, "agent_timeout_s": 15},
+    )
     run_dir = Path(job.run_dir)
     frozen: dict = {}
 
@@ -113,15 +139,20 @@ def test_a_frozen_node_is_fenced_and_its_rank_killed_by_pid_once_reachable(nodes
         for pid in (raylet, r0["agent_pid"]):
             os.kill(pid, signal.SIGSTOP)
 
-    def wake_rank(evs):  # the node comes back after it was fenced: its rank goes on training and saving
+    def wake_rank(
+        evs,
+    ):  # the node comes back after it was fenced: its rank goes on training and saving
         os.kill(frozen["rank"], signal.SIGCONT)
 
     def wake_node(evs):
         for pid in (frozen["raylet"], frozen["agent"]):
             os.kill(pid, signal.SIGCONT)
 
-    w1 = When(run_dir, lambda evs: launch_of(evs, 1) and proc_state(launch_of(evs, 1)["pids"][0]) == "T",
-              freeze_node)
+    w1 = When(
+        run_dir,
+        lambda evs: launch_of(evs, 1) and proc_state(launch_of(evs, 1)["pids"][0]) == "T",
+        freeze_node,
+    )
     w2 = When(run_dir, lambda evs: frozen and any(e["kind"] == "kill" for e in evs), wake_rank)
     w3 = When(run_dir, lambda evs: frozen and launch_of(evs, 2), wake_node)
     assert run(job) == 0
@@ -132,8 +163,12 @@ def test_a_frozen_node_is_fenced_and_its_rank_killed_by_pid_once_reachable(nodes
     assert next(e for e in evs if e["kind"] == "kill")["unreachable"] == [0]
     # fenced: the zombie tried to save and was refused (FENCE holds generation 2 by then)
     tries = out.read_text().splitlines()
-    assert tries and all(" refused " in t and "was fenced (current generation 2)" in t for t in tries)
-    assert not [p for p in (run_dir / "checkpoints").glob("ckpt-step*-gen001-*") if int(p.name[9:17]) > 30]
+    assert tries and all(
+        " refused " in t and "was fenced (current generation 2)" in t for t in tries
+    )
+    assert not [
+        p for p in (run_dir / "checkpoints").glob("ckpt-step*-gen001-*") if int(p.name[9:17]) > 30
+    ]
     # its reports never count: nothing of generation 1 past step 35 was accepted
     assert not [m for m in reports(run_dir) if m["gen"] == 1 and m.get("step", 0) > 35]
     # killed by pid as soon as its host was reachable, before generation 2 started

@@ -1,4 +1,5 @@
 """The reaper: finds a run's rank processes of replaced generations by their environment and kills them."""
+
 from __future__ import annotations
 
 import os
@@ -8,14 +9,14 @@ import sys
 import time
 
 from conftest import alive
-
 from spikeguard.supervisor import reaper
 
 
 def spawn(ckpt_dir: str, gen: int) -> subprocess.Popen:
     env = dict(os.environ, SPIKEGUARD_CKPT_DIR=ckpt_dir, SPIKEGUARD_GENERATION=str(gen), RANK="1")
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=env,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], env=env, start_new_session=True
+    )
 
 
 def test_stale_generations_of_this_run_are_killed_even_when_stopped(tmp_path):
@@ -33,7 +34,9 @@ def test_stale_generations_of_this_run_are_killed_even_when_stopped(tmp_path):
         for p in (old, stopped):
             p.wait(5)
         assert p.returncode == -signal.SIGKILL
-        assert alive(current.pid) and alive(foreign.pid)  # this generation, and another run, untouched
+        assert alive(current.pid) and alive(
+            foreign.pid
+        )  # this generation, and another run, untouched
         assert reaper.reap(mine, 3, remote=False) == []
     finally:
         for p in (old, stopped, current, foreign):

@@ -1,5 +1,6 @@
 """Faults during the recovery itself, on real Ray + gloo: a kill that hangs, a relaunch that cannot bind
 its port, and checkpoints on disk that are corrupt or malicious when the rollback needs them."""
+
 from __future__ import annotations
 
 import hashlib
@@ -9,7 +10,6 @@ import socket
 from pathlib import Path
 
 import pytest
-
 from conftest import When, alive, events, kinds, launch_of, reports, toy_job
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,9 @@ def test_a_rank_ignoring_sigterm_is_sigkilled_after_the_grace_period(ray_local, 
     assert kinds(Path(job.run_dir))[-1] == "completed"
 
 
-def test_a_port_in_use_at_launch_is_retried_with_a_fresh_port_outside_the_budget(ray_local, tmp_path, monkeypatch):
+def test_a_port_in_use_at_launch_is_retried_with_a_fresh_port_outside_the_budget(
+    ray_local, tmp_path, monkeypatch
+):
     from spikeguard.supervisor.workers import WorkerGroup
 
     squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -57,24 +59,40 @@ def test_a_port_in_use_at_launch_is_retried_with_a_fresh_port_outside_the_budget
     finally:
         squatter.close()
     evs = events(Path(job.run_dir))
-    assert [e["kind"] for e in evs] == ["launch", "launch_failed", "launch", "completed"]  # no incident
+    assert [e["kind"] for e in evs] == [
+        "launch",
+        "launch_failed",
+        "launch",
+        "completed",
+    ]  # no incident
     first, failed, retry = evs[:3]
     assert first["port"] == taken and failed["rank"] == 0 and failed["exit_code"] == 1
     assert "EADDRINUSE" in failed["log_tail"] and failed["failures"] == 1
-    assert retry["generation"] == 2 and retry["cause"] == "launch_retry" and retry["port"] not in (taken, None)
+    assert (
+        retry["generation"] == 2
+        and retry["cause"] == "launch_retry"
+        and retry["port"] not in (taken, None)
+    )
     assert retry["backoff_s"] == pytest.approx(0.2)
-    assert not any(alive(p) for p in first["pids"])  # rank 1, blocked connecting to the squatter, was killed
+    assert not any(
+        alive(p) for p in first["pids"]
+    )  # rank 1, blocked connecting to the squatter, was killed
 
 
 def corrupt_when_published(run_dir: Path, change) -> When:
     target = run_dir / "checkpoints" / CKPT40
-    return When(run_dir, lambda evs: Path(str(target) + ".json").exists(), lambda evs: change(target))
+    return When(
+        run_dir, lambda evs: Path(str(target) + ".json").exists(), lambda evs: change(target)
+    )
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped_and_the_rollback_lands_on_an_older_one(
-        ray_local, tmp_path, fail_at):
+    ray_local, tmp_path, fail_at
+):
     fail_at(1, 55, "exit")
-    job = toy_job(tmp_path, policy=POLICY, faults=fail_at, steps=60, extra_args=["--step-sleep", "0.05"])
+    job = toy_job(
+        tmp_path, policy=POLICY, faults=fail_at, steps=60, extra_args=["--step-sleep", "0.05"]
+    )
     run_dir = Path(job.run_dir)
 
     def flip(target: Path) -> None:
@@ -105,11 +123,14 @@ class Evil:
 
 
 def test_a_malicious_pickle_with_a_matching_sidecar_is_never_executed_and_is_skipped(
-        ray_local, tmp_path, fail_at):
+    ray_local, tmp_path, fail_at
+):
     import torch
 
     fail_at(1, 55, "exit")
-    job = toy_job(tmp_path, policy=POLICY, faults=fail_at, steps=60, extra_args=["--step-sleep", "0.05"])
+    job = toy_job(
+        tmp_path, policy=POLICY, faults=fail_at, steps=60, extra_args=["--step-sleep", "0.05"]
+    )
     run_dir = Path(job.run_dir)
     marker = tmp_path / "pwned"
 

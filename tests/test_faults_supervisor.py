@@ -1,6 +1,7 @@
 """The supervisor itself dies: ``spikeguard submit`` SIGKILLed in the middle of a recovery and again
 while its ranks train, restarted each time on the same run directory; and restarts of finished or
 still-supervised runs. Slack is tests/fakeslack.py (real slack-sdk over HTTP)."""
+
 from __future__ import annotations
 
 import os
@@ -12,10 +13,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-
 from conftest import SCRIPTS, When, alive, events, launch_of, reports
 from fakeslack import TOKEN, FakeSlack
-
 from spikeguard.supervisor import reaper
 from spikeguard.supervisor.journal import Journal
 from spikeguard.workers.checkpoint import list_checkpoints
@@ -40,10 +39,16 @@ class Supervisor:
     """``spikeguard submit JOB --quiet`` as a separate process (its own embedded Ray)."""
 
     def __init__(self, job: Path, log: Path, slack_url: str, **env_extra: str) -> None:
-        env = dict(os.environ, SLACK_BOT_TOKEN=TOKEN, SPIKEGUARD_SLACK_API_URL=slack_url, **env_extra)
+        env = dict(
+            os.environ, SLACK_BOT_TOKEN=TOKEN, SPIKEGUARD_SLACK_API_URL=slack_url, **env_extra
+        )
         self.log = open(log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "spikeguard.supervisor.cli", "submit", str(job),
-                                      "--quiet"], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "spikeguard.supervisor.cli", "submit", str(job), "--quiet"],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -66,10 +71,18 @@ def test_a_supervisor_killed_mid_recovery_and_mid_training_resumes_from_the_jour
     with FakeSlack() as fake:
         # 1. killed during the relaunch backoff: incident, kill and rollback journaled, no launch yet
         a = Supervisor(job, log, fake.api_url)
-        w = When(run_dir, lambda evs: {"notify_thread", "optimizer_reset"} <= {e["kind"] for e in evs},
-                 lambda evs: a.kill9(), timeout_s=180)
+        w = When(
+            run_dir,
+            lambda evs: {"notify_thread", "optimizer_reset"} <= {e["kind"] for e in evs},
+            lambda evs: a.kill9(),
+            timeout_s=180,
+        )
         assert w.ok(180), log.read_text()[-3000:]
-        assert [e["kind"] for e in events(run_dir)][-1] in ("lr_cut", "optimizer_reset", "notify_thread")
+        assert [e["kind"] for e in events(run_dir)][-1] in (
+            "lr_cut",
+            "optimizer_reset",
+            "notify_thread",
+        )
 
         # 2. the restart finishes the recovery (generation 2), then is killed while its ranks train.
         # Ray's workers kill their children when they exit cleanly (the embedded Ray dies with the
@@ -80,8 +93,12 @@ def test_a_supervisor_killed_mid_recovery_and_mid_training_resumes_from_the_jour
 
         def gen2_going(evs):
             g2 = launch_of(evs, 2)
-            return g2 and any(m["gen"] == 2 and m["type"] == "heartbeat" and m["step"] >= g2["plan"]["checkpoint_step"] + 5
-                              for m in reports(run_dir))
+            return g2 and any(
+                m["gen"] == 2
+                and m["type"] == "heartbeat"
+                and m["step"] >= g2["plan"]["checkpoint_step"] + 5
+                for m in reports(run_dir)
+            )
 
         def kill_b(evs):
             b.kill9()
@@ -95,17 +112,31 @@ def test_a_supervisor_killed_mid_recovery_and_mid_training_resumes_from_the_jour
         c = Supervisor(job, log, fake.api_url)
         assert c.wait(240) == 0, log.read_text()[-3000:]
         roots = fake.roots()
-        replies = {root["ts"]: [r.get("text", "") for r in fake.replies(root["ts"])] for root in roots}
+        replies = {
+            root["ts"]: [r.get("text", "") for r in fake.replies(root["ts"])] for root in roots
+        }
 
     evs = events(run_dir)
     kinds = [e["kind"] for e in evs]
-    assert kinds.count("incident") == 1 and kinds.count("kill") == 1  # the incident was not repeated
+    assert (
+        kinds.count("incident") == 1 and kinds.count("kill") == 1
+    )  # the incident was not repeated
     assert kinds.count("supervisor_start") == 2 and kinds[-1] == "completed"
     launches = [e for e in evs if e["kind"] == "launch"]
-    assert [(e["generation"], e["cause"]) for e in launches] == [(1, "initial"), (2, "recovery"), (3, "restart")]
-    assert launches[1]["lr_scale"] == launches[2]["lr_scale"] == pytest.approx(0.5)  # the cut carries over
-    assert {e["incident"] for e in evs if e["kind"] in ("incident", "rollback", "launch", "resume",
-                                                         "probation_passed") and e["incident"]} == {"inc-001"}
+    assert [(e["generation"], e["cause"]) for e in launches] == [
+        (1, "initial"),
+        (2, "recovery"),
+        (3, "restart"),
+    ]
+    assert (
+        launches[1]["lr_scale"] == launches[2]["lr_scale"] == pytest.approx(0.5)
+    )  # the cut carries over
+    assert {
+        e["incident"]
+        for e in evs
+        if e["kind"] in ("incident", "rollback", "launch", "resume", "probation_passed")
+        and e["incident"]
+    } == {"inc-001"}
     reaped = next(e for e in evs if e["kind"] == "reaped")
     assert sorted(p["pid"] for p in reaped["processes"]) == sorted(orphans)
     assert not any(alive(p) for p in orphans)
@@ -113,20 +144,30 @@ def test_a_supervisor_killed_mid_recovery_and_mid_training_resumes_from_the_jour
     by_orphans = [c for c in infos if c.generation == 2]
     assert by_orphans and max(c.step for c in by_orphans) >= 60  # they trained on after B died...
     fenced_at = datetime.fromisoformat(reaped["time"]).timestamp()
-    assert all(os.path.getmtime(c.meta_path) < fenced_at for c in by_orphans)  # ...until fenced and reaped
+    assert all(
+        os.path.getmtime(c.meta_path) < fenced_at for c in by_orphans
+    )  # ...until fenced and reaped
     resume = next(e for e in evs if e["kind"] == "resume")
     healthy = [c.step for c in infos if c.generation <= 2 and (c.grade or 0) >= 4]
     assert resume["checkpoint_step"] == max(healthy)  # the newest healthy one on the lineage
     assert resume["lr_scale"] == pytest.approx(0.5) and resume["resume_to"] == "PROBATION"
     gen3 = [m for m in reports(run_dir) if m["gen"] == 3]
-    assert {m["from_step"] for m in gen3 if m["type"] == "resumed"} == {resume["checkpoint_step"] + 1}
+    assert {m["from_step"] for m in gen3 if m["type"] == "resumed"} == {
+        resume["checkpoint_step"] + 1
+    }
     assert all(m["lr_scale"] == pytest.approx(0.5) for m in gen3 if m["type"] == "resumed")
     assert min(m["step"] for m in gen3 if m["type"] == "heartbeat") == resume["checkpoint_step"] + 1
-    assert reaper.find(str(run_dir / "checkpoints"), 10**9) == []  # nothing of the run is left running
+    assert (
+        reaper.find(str(run_dir / "checkpoints"), 10**9) == []
+    )  # nothing of the run is left running
     # one Slack thread for the incident, across three supervisors
-    threads = [r for r in roots if r.get("thread_ts") is None and "Run completed" not in r.get("text", "")]
+    threads = [
+        r for r in roots if r.get("thread_ts") is None and "Run completed" not in r.get("text", "")
+    ]
     assert kinds.count("notify_thread") == 1 and len(threads) == 1, [r.get("text") for r in roots]
-    assert threads[0]["blocks"][0]["text"]["text"].startswith("[RESOLVED]")  # updated by the third supervisor
+    assert threads[0]["blocks"][0]["text"]["text"].startswith(
+        "[RESOLVED]"
+    )  # updated by the third supervisor
     said = replies[threads[0]["ts"]]  # the second and third supervisors posted into the same thread
     assert "[inc-001] Launched generation 2, LR scale 0.5" in said
     assert "[inc-001] Launched generation 3, LR scale 0.5" in said
@@ -143,7 +184,9 @@ def journal(run_dir: Path, *kinds: str) -> None:
     j.close()
 
 
-@pytest.mark.parametrize("end,code", [("completed", 0), ("escalated", 3), ("failed", 1), ("stopped", 5)])
+@pytest.mark.parametrize(
+    "end,code", [("completed", 0), ("escalated", 3), ("failed", 1), ("stopped", 5)]
+)
 def test_a_finished_run_is_not_restarted(tmp_path, capsys, end, code):
     from conftest import toy_job
     from spikeguard.supervisor.runner import run_job
@@ -153,7 +196,10 @@ def test_a_finished_run_is_not_restarted(tmp_path, capsys, end, code):
     t0 = time.monotonic()
     assert run_job(job, live=False) == code
     assert f"already finished: {end}" in capsys.readouterr().out
-    assert time.monotonic() - t0 < 10 and [e["kind"] for e in events(Path(job.run_dir))] == ["launch", end]
+    assert time.monotonic() - t0 < 10 and [e["kind"] for e in events(Path(job.run_dir))] == [
+        "launch",
+        end,
+    ]
 
 
 def test_a_run_another_supervisor_holds_is_refused(tmp_path, capsys):

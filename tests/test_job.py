@@ -1,4 +1,5 @@
 """The job spec: validation with file:line errors, secrets refused, CLI exit codes (no Ray)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -6,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from spikeguard.policies import PolicyError
 from spikeguard.supervisor.job import load_job
 
@@ -36,15 +36,22 @@ def test_cli_overrides_replace_fields(tmp_path):
     assert load_job(write(tmp_path, GOOD), {"workers": 4}).workers == 4
 
 
-@pytest.mark.parametrize("text,line,needle", [
-    (GOOD + "wrokers: 3\n", 6, "wrokers"),
-    (GOOD.replace("workers: 2", "workers: two"), 4, "workers"),
-    (GOOD.replace("workers: 2", "workers: 0"), 4, "workers"),
-    (GOOD + "backend: mpi\n", 6, "backend"),
-    (GOOD + "notify:\n  slack:\n    channel: '#x'\n    token: xoxb-123-456-abcdef\n", 9, "token"),
-    (GOOD + "env:\n  HF_TOKEN: abc\n", 7, "secret"),
-    (GOOD + "workers: 3\n", 6, "duplicate"),
-])
+@pytest.mark.parametrize(
+    "text,line,needle",
+    [
+        (GOOD + "wrokers: 3\n", 6, "wrokers"),
+        (GOOD.replace("workers: 2", "workers: two"), 4, "workers"),
+        (GOOD.replace("workers: 2", "workers: 0"), 4, "workers"),
+        (GOOD + "backend: mpi\n", 6, "backend"),
+        (
+            GOOD + "notify:\n  slack:\n    channel: '#x'\n    token: xoxb-123-456-abcdef\n",
+            9,
+            "token",
+        ),
+        (GOOD + "env:\n  HF_TOKEN: abc\n", 7, "secret"),
+        (GOOD + "workers: 3\n", 6, "duplicate"),
+    ],
+)
 def test_bad_jobs_name_file_line_and_field(tmp_path, text, line, needle):
     p = write(tmp_path, text)
     with pytest.raises(PolicyError) as e:
@@ -57,7 +64,11 @@ def test_bad_jobs_name_file_line_and_field(tmp_path, text, line, needle):
 
 def test_submit_with_a_bad_job_exits_2_without_a_traceback(tmp_path):
     p = write(tmp_path, GOOD + "wrokers: 3\n")
-    r = subprocess.run([sys.executable, "-m", "spikeguard.supervisor.cli", "submit", str(p)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "spikeguard.supervisor.cli", "submit", str(p)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and f"{p}:6:" in r.stderr

@@ -1,10 +1,10 @@
 """The journal: append-only, survives a torn last line, sequence continues across restarts."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from spikeguard.supervisor.journal import Journal, read_events
 
 

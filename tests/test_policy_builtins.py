@@ -1,4 +1,5 @@
 """The built-in policies on recorded runs of the example and on synthetic incidents."""
+
 from __future__ import annotations
 
 import gzip
@@ -10,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from spikeguard.policies import BUILTINS, RecoverySettings, load_policy, replay
 from spikeguard.policies.explain import explain
 from spikeguard.policies.testing import exit_, hang, heartbeat, hello, report
@@ -29,25 +29,39 @@ def test_signal_names_match_the_worker_contract():
 
     # read the contract's SIGNALS without importing spikeguard.workers (its __init__ imports torch)
     tree = ast.parse((Path(__file__).resolve().parents[1] / "workers" / "contract.py").read_text())
-    signals = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-                   and any(isinstance(t, ast.Name) and t.id == "SIGNALS" for t in node.targets))
-    assert LAYER_SIGNALS == signals
+    signals = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "SIGNALS" for t in node.targets)
+    )
+    assert signals == LAYER_SIGNALS
 
 
 def test_policies_import_neither_ray_nor_torch_nor_the_supervisor():
-    code = ("import sys, spikeguard.policies, spikeguard.policies.commands, spikeguard.policies.testing; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('ray', 'torch') "
-            "or m.startswith('spikeguard.supervisor') or m.startswith('spikeguard.workers')]; "
-            "print(bad); raise SystemExit(1 if bad else 0)")
+    code = (
+        "import sys, spikeguard.policies, spikeguard.policies.commands, spikeguard.policies.testing; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('ray', 'torch') "
+        "or m.startswith('spikeguard.supervisor') or m.startswith('spikeguard.workers')]; "
+        "print(bad); raise SystemExit(1 if bad else 0)"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_recovery_defaults_are_the_supervisor_contract():
     assert RecoverySettings().model_dump() == {
-        "min_grade": 4, "min_steps_back": 0, "fallback_on_corrupt": True, "lr_factors": [0.5],
-        "reset_optimizer": True, "skip_window": 0, "probation_steps": 1000, "max_attempts": 3, "max_incidents": 10,
-        "on_exhausted": "stop"}
+        "min_grade": 4,
+        "min_steps_back": 0,
+        "fallback_on_corrupt": True,
+        "lr_factors": [0.5],
+        "reset_optimizer": True,
+        "skip_window": 0,
+        "probation_steps": 1000,
+        "max_attempts": 3,
+        "max_incidents": 10,
+        "on_exhausted": "stop",
+    }
 
 
 @pytest.mark.parametrize("name", BUILTINS)
@@ -72,6 +86,7 @@ def test_default_does_not_rely_on_the_grade_alone():
 
 # --- recorded runs of examples/gpt_diverge.py ---------------------------------------------
 
+
 @pytest.mark.parametrize("name", BUILTINS)
 def test_no_builtin_fires_on_the_stable_control(name):
     msgs = recorded("gpt_diverge_stable_seed0.jsonl.gz")
@@ -89,7 +104,7 @@ def test_default_recovers_the_diverging_run_before_its_loss_rises():
     losses = [(m["step"], m["loss"]) for m in msgs if m["type"] in ("heartbeat", "report")]
     best, rise = math.inf, None
     for i in range(50, len(losses)):
-        mean = sum(v for _, v in losses[i - 50:i]) / 50
+        mean = sum(v for _, v in losses[i - 50 : i]) / 50
         if mean > best + 0.3:
             rise = losses[i][0]
             break
@@ -99,6 +114,7 @@ def test_default_recovers_the_diverging_run_before_its_loss_rises():
 
 # --- synthetic incidents ------------------------------------------------------------------
 
+
 def healthy(steps: int, seed: int, ranks: int = 2, sample_every: int = 25) -> list[dict]:
     """Noisy but healthy: loss decays with 5 % noise, entropy drifts down slowly, grade 5..7."""
     rng = random.Random(seed)
@@ -107,10 +123,23 @@ def healthy(steps: int, seed: int, ranks: int = 2, sample_every: int = 25) -> li
         for r in range(ranks):
             loss = (2.0 + 3.0 * math.exp(-s / 300)) * (1 + rng.gauss(0, 0.05))
             if s % sample_every == 0:
-                layers = {f"blocks.{i}": {"grade": rng.choice([5, 6, 7]) if s > 200 else rng.choice([2, 7]),
-                                          "erank_ratio": 0.7} for i in range(3)}
-                layers.update({f"blocks.{i}.attn": {"attn_entropy_min_norm": max(0.3, 1 - s / 5000) * rng.uniform(0.85, 1.0),
-                                                    "max_logit": 5 + s / 100} for i in range(3)})
+                layers = {
+                    f"blocks.{i}": {
+                        "grade": rng.choice([5, 6, 7]) if s > 200 else rng.choice([2, 7]),
+                        "erank_ratio": 0.7,
+                    }
+                    for i in range(3)
+                }
+                layers.update(
+                    {
+                        f"blocks.{i}.attn": {
+                            "attn_entropy_min_norm": max(0.3, 1 - s / 5000)
+                            * rng.uniform(0.85, 1.0),
+                            "max_logit": 5 + s / 100,
+                        }
+                        for i in range(3)
+                    }
+                )
                 msgs.append(report(r, s, layers, loss=loss))
             else:
                 msgs.append(heartbeat(r, s, loss=loss))
@@ -160,7 +189,12 @@ def test_default_catches_an_entropy_collapse_and_a_grade_drop():
 def test_default_grade_alarm_waits_for_warm_in():
     msgs = [report(0, s, grade=2) for s in range(0, 300, 25)]
     assert replay(load_policy("default"), msgs) == []
-    rule = [d.rule for d in replay(load_policy("default"), msgs + [report(0, 300, grade=2), report(0, 325, grade=2)])]
+    rule = [
+        d.rule
+        for d in replay(
+            load_policy("default"), msgs + [report(0, 300, grade=2), report(0, 325, grade=2)]
+        )
+    ]
     assert rule == ["grade-low"]
 
 
@@ -168,7 +202,11 @@ def test_default_nan_and_inf():
     assert _first([heartbeat(0, 10, loss=math.nan)]) == ("non-finite-loss", 10, 0)
     one_inf = [heartbeat(0, 10, grad_norm=math.inf), heartbeat(0, 11)]
     assert replay(load_policy("default"), one_inf) == []  # a loss scaler's skipped step
-    assert _first([heartbeat(0, s, grad_norm=math.inf) for s in range(10, 13)]) == ("non-finite-grad-norm", 12, 0)
+    assert _first([heartbeat(0, s, grad_norm=math.inf) for s in range(10, 13)]) == (
+        "non-finite-grad-norm",
+        12,
+        0,
+    )
 
 
 def test_default_crash_and_hang():

@@ -1,4 +1,5 @@
 """``spikeguard policy check|schema|explain|replay``, in-process and as a real subprocess."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,21 +13,27 @@ from pathlib import Path
 import jsonschema
 import pytest
 from pydantic import BaseModel
-
 from spikeguard.policies import Policy, load_policy
 from spikeguard.policies.commands import policy_schema, register
 from spikeguard.policies.loader import BUILTINS, load_yaml_text
 from spikeguard.policies.testing import exit_, heartbeat, hello, report
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = ("import argparse, sys; from spikeguard.policies.commands import register; "
-       "p = argparse.ArgumentParser(prog='spikeguard'); s = p.add_subparsers(dest='cmd'); register(s); "
-       "a = p.parse_args(sys.argv[1:]); raise SystemExit(a.func(a))")
+CLI = (
+    "import argparse, sys; from spikeguard.policies.commands import register; "
+    "p = argparse.ArgumentParser(prog='spikeguard'); s = p.add_subparsers(dest='cmd'); register(s); "
+    "a = p.parse_args(sys.argv[1:]); raise SystemExit(a.func(a))"
+)
 
 
 def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", CLI, "policy", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", CLI, "policy", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def run_in_process(capsys, *args: str) -> tuple[int, str, str]:
@@ -40,25 +47,39 @@ def run_in_process(capsys, *args: str) -> tuple[int, str, str]:
 
 # --- check --------------------------------------------------------------------------------
 
+
 def test_the_documented_one_liner_works():
-    snippet = ('import argparse; from spikeguard.policies.commands import register; p=argparse.ArgumentParser(); '
-               's=p.add_subparsers(dest="cmd"); register(s); a=p.parse_args(["policy","check","policies/default.yaml"]); '
-               'raise SystemExit(a.func(a))')
-    res = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    snippet = (
+        "import argparse; from spikeguard.policies.commands import register; p=argparse.ArgumentParser(); "
+        's=p.add_subparsers(dest="cmd"); register(s); a=p.parse_args(["policy","check","policies/default.yaml"]); '
+        "raise SystemExit(a.func(a))"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", snippet], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr
     assert "policies/default.yaml: ok" in res.stdout
 
 
 BROKEN = {
-    "dup.yaml": ("version: 1\nname: a\nrules:\n  - {name: r, when: crash, action: recover}\nname: b\n",
-                 "dup.yaml:5:1: duplicate key 'name'"),
-    "tag.yaml": ("version: 1\nname: !!python/object/apply:os.system ['echo hi']\nrules: []\n",
-                 "tag.yaml:2:7: name: tag '!!python/object/apply:os.system' is not allowed"),
-    "token.yaml": ("version: 1\nname: a\nnotify:\n  slack:\n    channel: xoxb-123-456\n"
-                   "rules:\n  - {name: r, when: crash, action: recover}\n",
-                   "token.yaml:5:14: notify.slack.channel: this value looks like a Slack token"),
-    "signal.yaml": ("version: 1\nname: a\nrules:\n  - name: r\n    when: {signal: grad_nrom, above: 1}\n"
-                    "    action: recover\n", "did you mean 'grad_norm'?"),
+    "dup.yaml": (
+        "version: 1\nname: a\nrules:\n  - {name: r, when: crash, action: recover}\nname: b\n",
+        "dup.yaml:5:1: duplicate key 'name'",
+    ),
+    "tag.yaml": (
+        "version: 1\nname: !!python/object/apply:os.system ['echo hi']\nrules: []\n",
+        "tag.yaml:2:7: name: tag '!!python/object/apply:os.system' is not allowed",
+    ),
+    "token.yaml": (
+        "version: 1\nname: a\nnotify:\n  slack:\n    channel: xoxb-123-456\n"
+        "rules:\n  - {name: r, when: crash, action: recover}\n",
+        "token.yaml:5:14: notify.slack.channel: this value looks like a Slack token",
+    ),
+    "signal.yaml": (
+        "version: 1\nname: a\nrules:\n  - name: r\n    when: {signal: grad_nrom, above: 1}\n"
+        "    action: recover\n",
+        "did you mean 'grad_norm'?",
+    ),
     "syntax.yaml": ("version: 1\nname: [a\n", "syntax.yaml:2:7: YAML syntax error"),
     "binary.yaml": (b"\xff\xfe\x00garbage", "binary.yaml"),
 }
@@ -90,6 +111,7 @@ def test_check_usage_errors_do_not_trace(tmp_path):
 
 # --- schema -------------------------------------------------------------------------------
 
+
 def test_schema_command_prints_the_model_schema(capsys):
     code, out, _ = run_in_process(capsys, "schema")
     assert code == 0
@@ -104,14 +126,36 @@ def test_schema_validates_each_builtin(name):
     jsonschema.validate(data, policy_schema())
 
 
-@pytest.mark.parametrize("bad", [
-    {"version": 1, "name": "a", "rules": [{"name": "r", "when": "crash", "action": "recover", "acton": 1}]},
-    {"version": 1, "name": "a", "rules": [{"name": "r", "when": {"signal": "grad_nrom", "above": 1},
-                                           "action": "recover"}]},
-    {"version": 1, "name": "a", "rules": [{"name": "r", "when": "crash", "action": "reboot"}]},
-    {"version": 1, "name": "a", "warm_in": 300, "rules": [{"name": "r", "when": "crash", "action": "stop"}]},
-    {"version": 1, "name": "a", "recovery": {"min_grade": "S9"}, "rules": [{"name": "r", "when": "crash", "action": "stop"}]},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {
+            "version": 1,
+            "name": "a",
+            "rules": [{"name": "r", "when": "crash", "action": "recover", "acton": 1}],
+        },
+        {
+            "version": 1,
+            "name": "a",
+            "rules": [
+                {"name": "r", "when": {"signal": "grad_nrom", "above": 1}, "action": "recover"}
+            ],
+        },
+        {"version": 1, "name": "a", "rules": [{"name": "r", "when": "crash", "action": "reboot"}]},
+        {
+            "version": 1,
+            "name": "a",
+            "warm_in": 300,
+            "rules": [{"name": "r", "when": "crash", "action": "stop"}],
+        },
+        {
+            "version": 1,
+            "name": "a",
+            "recovery": {"min_grade": "S9"},
+            "rules": [{"name": "r", "when": "crash", "action": "stop"}],
+        },
+    ],
+)
 def test_schema_rejects_what_the_models_reject(bad):
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, policy_schema())
@@ -152,6 +196,7 @@ def test_schema_is_derived_from_the_models():
 
 # --- explain ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", BUILTINS)
 def test_explain_each_builtin(capsys, name):
     code, out, _ = run_in_process(capsys, "explain", name)
@@ -165,6 +210,7 @@ def test_explain_each_builtin(capsys, name):
 
 # --- replay -------------------------------------------------------------------------------
 
+
 def _stream() -> list[dict]:
     msgs = [hello(r, world_size=2) for r in range(2)]
     for s in range(0, 120):
@@ -176,14 +222,18 @@ def _stream() -> list[dict]:
 
 
 def test_replay_run_dir_prints_decisions_and_summary(tmp_path, capsys):
-    (tmp_path / "reports.jsonl").write_text("".join(json.dumps(m) + "\n" for m in _stream()) + '{"trunc')
+    (tmp_path / "reports.jsonl").write_text(
+        "".join(json.dumps(m) + "\n" for m in _stream()) + '{"trunc'
+    )
     code, out, err = run_in_process(capsys, "replay", "default", str(tmp_path))
     assert code == 0
     lines = out.strip().splitlines()
     assert len(lines) == 2
     assert "step    120" in lines[0] and "rank  1" in lines[0] and "non-finite-loss" in lines[0]
     assert "recover" in lines[0] and "loss is nan" in lines[0]
-    assert "1 decision (recover ×1); first recover at step 120 by rule 'non-finite-loss'" in lines[1]
+    assert (
+        "1 decision (recover ×1); first recover at step 120 by rule 'non-finite-loss'" in lines[1]
+    )
     assert "skipped 1 line(s)" in err
 
 
@@ -193,7 +243,9 @@ def test_replay_json_lines(tmp_path, capsys):
     code, out, err = run_in_process(capsys, "replay", "default", str(path), "--json")
     assert code == 0
     rows = [json.loads(line) for line in out.splitlines()]
-    assert [(r["rule"], r["step"], r["rank"], r["value"]) for r in rows] == [("non-finite-loss", 120, 1, "nan")]
+    assert [(r["rule"], r["step"], r["rank"], r["value"]) for r in rows] == [
+        ("non-finite-loss", 120, 1, "nan")
+    ]
     assert rows[0]["recovery"]["lr_factors"] == [0.5]
     assert "policy 'default'" in err
 
@@ -208,9 +260,13 @@ def test_replay_bad_source_is_exit_2(tmp_path, capsys):
 
 def test_replay_merges_several_rank_files_by_time(tmp_path, capsys):
     for r in range(2):
-        (tmp_path / f"r{r}.jsonl").write_text("".join(
-            json.dumps(report(r, s * 25, grade=7 if s < 20 else 2)) + "\n" for s in range(22)))
-    code, out, _ = run_in_process(capsys, "replay", "aggressive", str(tmp_path / "r0.jsonl"),
-                                  str(tmp_path / "r1.jsonl"))
+        (tmp_path / f"r{r}.jsonl").write_text(
+            "".join(
+                json.dumps(report(r, s * 25, grade=7 if s < 20 else 2)) + "\n" for s in range(22)
+            )
+        )
+    code, out, _ = run_in_process(
+        capsys, "replay", "aggressive", str(tmp_path / "r0.jsonl"), str(tmp_path / "r1.jsonl")
+    )
     assert code == 0
     assert "grade-drop" in out and "step    500" in out and "rank  0" in out

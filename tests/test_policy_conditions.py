@@ -1,10 +1,10 @@
 """Every condition type on synthetic streams: fires at the boundary, not just inside it."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
-
 from spikeguard.policies import Engine, load_policy_text
 from spikeguard.policies.testing import exit_, hang, heartbeat, hello, report
 
@@ -12,8 +12,10 @@ from spikeguard.policies.testing import exit_, hang, heartbeat, hello, report
 def policy(rule: str, *, warm_in: str = "0 steps", extra: str = "") -> object:
     """A one-rule policy; ``rule`` is the YAML body of the rule (without name/action)."""
     body = "\n".join("    " + line for line in rule.strip().splitlines())
-    return load_policy_text(f"version: 1\nname: t\nwarm_in: {warm_in}\n{extra}rules:\n  - name: r\n"
-                            f"    action: recover\n{body}\n")
+    return load_policy_text(
+        f"version: 1\nname: t\nwarm_in: {warm_in}\n{extra}rules:\n  - name: r\n"
+        f"    action: recover\n{body}\n"
+    )
 
 
 def fired(pol, msgs) -> list:
@@ -22,6 +24,7 @@ def fired(pol, msgs) -> list:
 
 
 # --- thresholds ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("grade,fires", [(2, True), (3, False), (7, False), (0, True)])
 def test_grade_below_is_strict(grade, fires):
@@ -52,6 +55,7 @@ def test_missing_or_null_value_never_fires():
 
 
 # --- change (drops / rises) ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("after,fires", [(4, True), (5, False), (3, True)])
 def test_grade_drop_by_at_least(after, fires):
@@ -92,6 +96,7 @@ def test_drop_needs_a_previous_sample():
 
 
 # --- trailing median ratio and z-score ----------------------------------------------------
+
 
 def _losses(values, start=0):
     return [heartbeat(0, start + i, loss=v) for i, v in enumerate(values)]
@@ -151,8 +156,11 @@ def test_trailing_ignores_non_finite_history():
 
 # --- non-finite, crash, hang --------------------------------------------------------------
 
-@pytest.mark.parametrize("value,fires", [(math.nan, True), (math.inf, True), (-math.inf, True),
-                                         (1e308, False), (None, False)])
+
+@pytest.mark.parametrize(
+    "value,fires",
+    [(math.nan, True), (math.inf, True), (-math.inf, True), (1e308, False), (None, False)],
+)
 def test_nonfinite(value, fires):
     pol = policy("when: grad_norm is nonfinite")
     out = fired(pol, [heartbeat(0, 3, grad_norm=value)])
@@ -192,6 +200,7 @@ def test_hang_true_fires_on_any_hang_message():
 
 # --- all / any ----------------------------------------------------------------------------
 
+
 def test_all_needs_every_condition_on_the_same_message():
     pol = policy("when: {all: [{signal: grade, below: S4}, {signal: loss, above: 3}]}")
     assert fired(pol, [report(0, 1, grade=3, loss=2.0)]) == []
@@ -215,13 +224,25 @@ def test_nested_groups_in_compact_form():
 
 # --- layers -------------------------------------------------------------------------------
 
-LAYERS = {"blocks.0.attn": {"attn_entropy_min_norm": 0.9}, "blocks.1.attn": {"attn_entropy_min_norm": 0.2},
-          "blocks.0": {"grade": 6}, "blocks.1": {"grade": 2}}
+LAYERS = {
+    "blocks.0.attn": {"attn_entropy_min_norm": 0.9},
+    "blocks.1.attn": {"attn_entropy_min_norm": 0.2},
+    "blocks.0": {"grade": 6},
+    "blocks.1": {"grade": 2},
+}
 
 
 def test_layer_glob_selects_layers():
-    assert fired(policy("when: attn_entropy_min_norm < 0.5\nlayers: 'blocks.0.*'"), [report(0, 1, LAYERS)]) == []
-    out = fired(policy("when: attn_entropy_min_norm < 0.5\nlayers: ['blocks.1.*']"), [report(0, 1, LAYERS)])
+    assert (
+        fired(
+            policy("when: attn_entropy_min_norm < 0.5\nlayers: 'blocks.0.*'"),
+            [report(0, 1, LAYERS)],
+        )
+        == []
+    )
+    out = fired(
+        policy("when: attn_entropy_min_norm < 0.5\nlayers: ['blocks.1.*']"), [report(0, 1, LAYERS)]
+    )
     assert [d.layer for d in out] == ["blocks.1.attn"]
 
 

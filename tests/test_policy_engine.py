@@ -1,4 +1,5 @@
 """Engine state: rank scopes, for:, cooldown, warm-in, generations, replay, determinism."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,15 +8,23 @@ import math
 import random
 
 import pytest
-
-from spikeguard.policies import Decision, Engine, RecoverySettings, load_policy, load_policy_text, replay
+from spikeguard.policies import (
+    Decision,
+    Engine,
+    RecoverySettings,
+    load_policy,
+    load_policy_text,
+    replay,
+)
 from spikeguard.policies.testing import done, exit_, heartbeat, hello, report
 
 
 def policy(rule: str, *, action: str = "recover", warm_in: str = "0 steps", head: str = ""):
     body = "\n".join("    " + line for line in rule.strip().splitlines())
-    return load_policy_text(f"version: 1\nname: t\nwarm_in: {warm_in}\n{head}rules:\n  - name: r\n"
-                            f"    action: {action}\n{body}\n")
+    return load_policy_text(
+        f"version: 1\nname: t\nwarm_in: {warm_in}\n{head}rules:\n  - name: r\n"
+        f"    action: {action}\n{body}\n"
+    )
 
 
 def run(pol, msgs) -> list[Decision]:
@@ -29,8 +38,11 @@ def hellos(n: int, gen: int = 0) -> list[dict]:
 
 # --- rank scope ---------------------------------------------------------------------------
 
+
 def test_scope_any_decides_per_rank():
-    out = run(policy("when: grade < S3"), hellos(4) + [report(1, 10, grade=2), report(3, 10, grade=1)])
+    out = run(
+        policy("when: grade < S3"), hellos(4) + [report(1, 10, grade=2), report(3, 10, grade=1)]
+    )
     assert [(d.rank, d.step) for d in out] == [(1, 10), (3, 10)]
 
 
@@ -44,12 +56,18 @@ def test_scope_all_needs_every_rank_of_the_world():
 
 def test_scope_all_resets_when_a_rank_recovers():
     pol = policy("when: grade < S3\nranks: all")
-    msgs = hellos(2) + [report(0, 10, grade=2), report(1, 10, grade=5), report(0, 20, grade=2),
-                        report(1, 20, grade=2)]
+    msgs = hellos(2) + [
+        report(0, 10, grade=2),
+        report(1, 10, grade=5),
+        report(0, 20, grade=2),
+        report(1, 20, grade=2),
+    ]
     assert [d.step for d in run(pol, msgs)] == [20]
 
 
-@pytest.mark.parametrize("world,holding,fires", [(4, 1, False), (4, 2, True), (3, 1, False), (3, 2, True)])
+@pytest.mark.parametrize(
+    "world,holding,fires", [(4, 1, False), (4, 2, True), (3, 1, False), (3, 2, True)]
+)
 def test_scope_fraction_rounds_up(world, holding, fires):
     pol = policy("when: grade < S3\nranks: {fraction: 0.5}")
     msgs = hellos(world) + [report(r, 10, grade=2) for r in range(holding)]
@@ -73,6 +91,7 @@ def test_scope_without_hello_uses_the_ranks_seen():
 
 
 # --- for: persistence ---------------------------------------------------------------------
+
 
 def test_for_samples_counts_consecutive_evaluations():
     pol = policy("when: grade < S3\nfor: 2 samples")
@@ -100,8 +119,10 @@ def test_for_time_uses_the_supervisor_clock():
 
 def test_time_falls_back_to_t_without_at():
     pol = policy("when: loss > 3\nfor: 30s")
-    msgs = [{k: v for k, v in heartbeat(0, s, loss=4.0).items() if k != "at"} | {"t": 1000.0 + 15 * s}
-            for s in range(4)]
+    msgs = [
+        {k: v for k, v in heartbeat(0, s, loss=4.0).items() if k != "at"} | {"t": 1000.0 + 15 * s}
+        for s in range(4)
+    ]
     assert [d.step for d in run(pol, msgs)] == [2]
 
 
@@ -113,6 +134,7 @@ def test_heartbeat_and_report_of_the_same_step_count_once():
 
 
 # --- edge triggering, resolved, cooldown --------------------------------------------------
+
 
 def test_fires_once_per_episode_and_resolves():
     pol = policy("when: grade < S3", action="notify")
@@ -136,8 +158,13 @@ def test_cooldown_in_steps():
 
 def test_cooldown_in_time_holds_a_still_true_condition_until_it_ends():
     pol = policy("when: grade < S3\ncooldown: 60s", action="notify")
-    msgs = [report(0, 0, grade=2, at=0.0), report(0, 1, grade=5, at=10.0), report(0, 2, grade=2, at=20.0),
-            report(0, 3, grade=2, at=59.0), report(0, 4, grade=2, at=60.0)]
+    msgs = [
+        report(0, 0, grade=2, at=0.0),
+        report(0, 1, grade=5, at=10.0),
+        report(0, 2, grade=2, at=20.0),
+        report(0, 3, grade=2, at=59.0),
+        report(0, 4, grade=2, at=60.0),
+    ]
     assert [d.step for d in run(pol, msgs) if not d.resolved] == [0, 4]
 
 
@@ -147,6 +174,7 @@ def test_cooldown_is_per_rule_across_ranks():
 
 
 # --- warm-in ------------------------------------------------------------------------------
+
 
 def test_policy_warm_in_applies_to_layer_signal_rules():
     pol = policy("when: grade < S3", warm_in="300 steps")
@@ -163,7 +191,9 @@ def test_rule_warm_in_overrides_the_policy():
     pol = policy("when: grade < S3\nwarm_in: 0 steps", warm_in="300 steps")
     assert run(pol, [report(0, 0, grade=1)])
     pol = policy("when: loss > 3\nwarm_in: 50 steps")
-    assert [d.step for d in run(pol, [heartbeat(0, 49, loss=4.0), heartbeat(0, 50, loss=4.0)])] == [50]
+    assert [d.step for d in run(pol, [heartbeat(0, 49, loss=4.0), heartbeat(0, 50, loss=4.0)])] == [
+        50
+    ]
 
 
 def test_persistence_does_not_start_during_warm_in():
@@ -173,6 +203,7 @@ def test_persistence_does_not_start_during_warm_in():
 
 
 # --- generations --------------------------------------------------------------------------
+
 
 def test_messages_of_an_older_generation_are_ignored():
     pol = policy("when: grade < S3")
@@ -191,7 +222,9 @@ def test_trailing_windows_restart_in_a_new_generation():
     spike = heartbeat(0, 95, loss=9.0, gen=1)
     assert run(pol, gen0 + resumed + [spike]) == []  # only 5 steps of gen 1 history
     refilled = [heartbeat(0, 90 + i, loss=2.0, gen=1) for i in range(10)]
-    assert [d.generation for d in run(pol, gen0 + refilled + [heartbeat(0, 100, loss=9.0, gen=1)])] == [1]
+    assert [
+        d.generation for d in run(pol, gen0 + refilled + [heartbeat(0, 100, loss=9.0, gen=1)])
+    ] == [1]
 
 
 def test_firing_state_restarts_but_cooldown_carries_over():
@@ -206,9 +239,18 @@ def test_step_cooldown_counts_training_seen_not_the_step_number():
     pol = policy("when: grade < S3\ncooldown: 100 steps", action="notify")
     # fired at 500, rolled back to 400: 60 + 30 = 90 steps of training seen at step 430,
     # 60 + 40 = 100 at step 440 (the step number itself never got 100 past 500)
-    msgs = [report(0, 500, grade=1), report(0, 560, grade=7), hello(0, step=0, gen=1),
-            report(0, 400, grade=7, gen=1), report(0, 430, grade=1, gen=1), report(0, 440, grade=1, gen=1)]
-    assert [(d.generation, d.step) for d in run(pol, msgs) if not d.resolved] == [(0, 500), (1, 440)]
+    msgs = [
+        report(0, 500, grade=1),
+        report(0, 560, grade=7),
+        hello(0, step=0, gen=1),
+        report(0, 400, grade=7, gen=1),
+        report(0, 430, grade=1, gen=1),
+        report(0, 440, grade=1, gen=1),
+    ]
+    assert [(d.generation, d.step) for d in run(pol, msgs) if not d.resolved] == [
+        (0, 500),
+        (1, 440),
+    ]
 
 
 def test_exit_before_any_step_of_a_relaunch_uses_no_stale_step():
@@ -227,12 +269,17 @@ def test_retire_ignores_the_killed_generation():
 
 # --- replay -------------------------------------------------------------------------------
 
+
 def test_replay_stops_a_generation_at_its_first_recover():
     pol = load_policy("default")
-    msgs = ([hello(0, world_size=1)] + [heartbeat(0, s) for s in range(10)]
-            + [heartbeat(0, 10, loss=math.nan), heartbeat(0, 11, loss=math.nan), exit_(0, -9)]
-            + [hello(0, world_size=1, step=5, gen=1)] + [heartbeat(0, s, gen=1) for s in range(5, 20)]
-            + [done(0, 20, gen=1), exit_(0, 0, gen=1)])
+    msgs = (
+        [hello(0, world_size=1)]
+        + [heartbeat(0, s) for s in range(10)]
+        + [heartbeat(0, 10, loss=math.nan), heartbeat(0, 11, loss=math.nan), exit_(0, -9)]
+        + [hello(0, world_size=1, step=5, gen=1)]
+        + [heartbeat(0, s, gen=1) for s in range(5, 20)]
+        + [done(0, 20, gen=1), exit_(0, 0, gen=1)]
+    )
     out = replay(pol, msgs)
     assert [(d.rule, d.step, d.generation) for d in out] == [("non-finite-loss", 10, 0)]
     live = run(pol, msgs)  # without the kill, the dead generation would keep deciding
@@ -246,7 +293,14 @@ def test_replay_is_deterministic_and_json_round_trips():
     for s in range(0, 1200):
         msgs.append(heartbeat(s % 2, s, loss=2 + rng.random() * (3 if 900 < s < 910 else 0.1)))
         if s % 25 == 0:
-            msgs.append(report(s % 2, s, grade=rng.choice([5, 6, 7]), attn_entropy_min_norm=0.5 + rng.random() / 10))
+            msgs.append(
+                report(
+                    s % 2,
+                    s,
+                    grade=rng.choice([5, 6, 7]),
+                    attn_entropy_min_norm=0.5 + rng.random() / 10,
+                )
+            )
     recorded = [json.loads(json.dumps(m)) for m in msgs]
     first, second = replay(pol, msgs), replay(pol, recorded)
     assert first == second and first  # something fired, identically
@@ -263,7 +317,11 @@ rules:
 """)
     out = run(pol, [heartbeat(0, 1, loss=math.nan), exit_(0, 2)])
     a, b = out
-    assert a.recovery.lr_factors == [0.1] and a.recovery.skip_window == 20 and a.recovery.max_attempts == 4
+    assert (
+        a.recovery.lr_factors == [0.1]
+        and a.recovery.skip_window == 20
+        and a.recovery.max_attempts == 4
+    )
     assert b.recovery == pol.recovery and isinstance(b.recovery, RecoverySettings)
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.step = 3  # type: ignore[misc]
@@ -272,9 +330,16 @@ rules:
 
 def test_malformed_messages_are_ignored_not_fatal():
     engine = Engine(load_policy("default"))
-    for junk in [None, 3, {}, {"type": "report"}, {"type": "heartbeat", "rank": "0", "step": 1},
-                 {"type": "heartbeat", "rank": 0}, {"type": "report", "rank": 0, "step": 5, "layers": [1]},
-                 {"type": "unknown", "rank": 0, "step": 1}]:
+    for junk in [
+        None,
+        3,
+        {},
+        {"type": "report"},
+        {"type": "heartbeat", "rank": "0", "step": 1},
+        {"type": "heartbeat", "rank": 0},
+        {"type": "report", "rank": 0, "step": 5, "layers": [1]},
+        {"type": "unknown", "rank": 0, "step": 1},
+    ]:
         assert engine.observe(junk) == []  # type: ignore[arg-type]
 
 

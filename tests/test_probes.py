@@ -1,4 +1,5 @@
 """Tests of spikeguard.workers.probes on two tiny model styles (nanoGPT-like and blocks/q_proj)."""
+
 from __future__ import annotations
 
 import gc
@@ -8,10 +9,9 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from spikeguard.workers import probes as P
 from spikeguard.workers import signals as S
+from torch import nn
 
 torch.set_num_threads(1)
 
@@ -19,6 +19,7 @@ ATTN_KEYS = {"attn_entropy_mean", "attn_entropy_min", "attn_entropy_min_norm", "
 
 
 # -- model 1: nanoGPT style (transformer.h.{i}, fused attn.c_attn) --------------------------
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int) -> None:
@@ -50,7 +51,12 @@ class MLP(nn.Module):
 class GPTBlock(nn.Module):
     def __init__(self, n: int, h: int) -> None:
         super().__init__()
-        self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(n), CausalSelfAttention(n, h), nn.LayerNorm(n), MLP(n)
+        self.ln_1, self.attn, self.ln_2, self.mlp = (
+            nn.LayerNorm(n),
+            CausalSelfAttention(n, h),
+            nn.LayerNorm(n),
+            MLP(n),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -58,11 +64,18 @@ class GPTBlock(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int = 50, n: int = 16, h: int = 4, layers: int = 2, block_size: int = 32) -> None:
+    def __init__(
+        self, vocab: int = 50, n: int = 16, h: int = 4, layers: int = 2, block_size: int = 32
+    ) -> None:
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab, n), wpe=nn.Embedding(block_size, n),
-            h=nn.ModuleList([GPTBlock(n, h) for _ in range(layers)]), ln_f=nn.LayerNorm(n)))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(vocab, n),
+                wpe=nn.Embedding(block_size, n),
+                h=nn.ModuleList([GPTBlock(n, h) for _ in range(layers)]),
+                ln_f=nn.LayerNorm(n),
+            )
+        )
         self.lm_head = nn.Linear(n, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -73,6 +86,7 @@ class TinyGPT(nn.Module):
 
 
 # -- model 2: blocks.{i} with attn.q_proj / k_proj, GQA, tuple outputs, "head" --------------
+
 
 class GQAAttention(nn.Module):
     def __init__(self, n: int, heads: int, kv_heads: int, rotate: bool = False) -> None:
@@ -150,8 +164,12 @@ def blocks() -> TinyBlocks:
 def block_outputs(model: nn.Module, names: list[str], idx: torch.Tensor) -> dict[str, torch.Tensor]:
     mods = dict(model.named_modules())
     out: dict[str, torch.Tensor] = {}
-    hs = [mods[n].register_forward_hook(lambda m, a, o, n=n: out.__setitem__(n, (o[0] if isinstance(o, tuple) else o).detach()))
-          for n in names]
+    hs = [
+        mods[n].register_forward_hook(
+            lambda m, a, o, n=n: out.__setitem__(n, (o[0] if isinstance(o, tuple) else o).detach())
+        )
+        for n in names
+    ]
     with torch.no_grad():
         model(idx)
     for h in hs:
@@ -160,6 +178,7 @@ def block_outputs(model: nn.Module, names: list[str], idx: torch.Tensor) -> dict
 
 
 # -- default patterns ----------------------------------------------------------------------
+
 
 def test_default_patterns(gpt: TinyGPT, blocks: TinyBlocks) -> None:
     p = P.Probes(gpt, strict=True)
@@ -184,22 +203,27 @@ def test_custom_patterns(gpt: TinyGPT) -> None:
 
 # -- armed results equal the signals on the true tensors ----------------------------------
 
+
 @pytest.mark.parametrize("style", ["gpt", "blocks"])
-def test_armed_results_match_direct_computation(style: str, gpt: TinyGPT, blocks: TinyBlocks) -> None:
+def test_armed_results_match_direct_computation(
+    style: str, gpt: TinyGPT, blocks: TinyBlocks
+) -> None:
     model: nn.Module = gpt if style == "gpt" else blocks
     vocab = 50 if style == "gpt" else 40
     idx = tokens(vocab)
     p = P.Probes(model, strict=True)
-    with p.sampling(7):
-        with torch.no_grad():
-            logits = model(idx)
+    with p.sampling(7), torch.no_grad():
+        logits = model(idx)
     res = p.collect()
     assert p.errors == []
     assert set(res) == set(p.residual_names) | set(p.attention_names) | set(p.lm_head_names)
     outs = block_outputs(model, p.residual_names, idx)
     for name in p.residual_names:
         ratio = S.effective_rank_ratio(outs[name])
-        assert res[name] == {"erank_ratio": pytest.approx(ratio, rel=1e-6), "grade": S.grade_of(ratio)}
+        assert res[name] == {
+            "erank_ratio": pytest.approx(ratio, rel=1e-6),
+            "grade": S.grade_of(ratio),
+        }
         assert isinstance(res[name]["grade"], int)
     mods = dict(model.named_modules())
     for name in p.attention_names:
@@ -228,7 +252,9 @@ def test_record_qk_overrides_projection_capture() -> None:
             assert res[name] == pytest.approx(expected, rel=1e-5)
             # ... and really differs from what the raw projections would give
             x_q = (att.seen[0] / 3.0).flip(-1)
-            assert S.attention_stats(x_q, att.seen[1])["max_logit"] != pytest.approx(res[name]["max_logit"])
+            assert S.attention_stats(x_q, att.seen[1])["max_logit"] != pytest.approx(
+                res[name]["max_logit"]
+            )
     # after the first step the projection path is off: one computation per attention module
     calls = p.compute_calls
     with p.sampling(2), torch.no_grad():
@@ -254,14 +280,19 @@ def test_record_qk_is_a_noop_unless_armed(blocks: TinyBlocks) -> None:
 
 def test_fused_split_with_gqa_and_head_dim_only() -> None:
     x = torch.randn(2, 5, (4 + 2 * 2) * 3)
-    q, k = P._AttnSpec("a", nn.Module(), nn.Identity(), None, heads=4, kv_heads=2, head_dim=None).qk(x, None)
+    q, k = P._AttnSpec(
+        "a", nn.Module(), nn.Identity(), None, heads=4, kv_heads=2, head_dim=None
+    ).qk(x, None)
     torch.testing.assert_close(q, x[..., :12].view(2, 5, 4, 3).transpose(1, 2))
     torch.testing.assert_close(k, x[..., 12:18].view(2, 5, 2, 3).transpose(1, 2))
-    q, k = P._AttnSpec("a", nn.Module(), nn.Identity(), None, heads=None, kv_heads=None, head_dim=2).qk(x, None)
+    q, k = P._AttnSpec(
+        "a", nn.Module(), nn.Identity(), None, heads=None, kv_heads=None, head_dim=2
+    ).qk(x, None)
     assert q.shape == k.shape == (2, 4, 5, 2)  # no head count: equal thirds
 
 
 # -- sampling: only armed steps compute, nothing retained otherwise -------------------------
+
 
 def test_hooks_fire_only_on_sampled_steps(gpt: TinyGPT) -> None:
     p = P.Probes(gpt, strict=True)
@@ -301,8 +332,17 @@ def test_split_projection_pending_is_released(blocks: TinyBlocks) -> None:
 def test_no_tensors_retained(blocks: TinyBlocks, armed: bool) -> None:
     p = P.Probes(blocks, strict=True)
     refs: list[weakref.ref[torch.Tensor]] = []
-    spies = [m.register_forward_hook(lambda mod, a, o: refs.append(weakref.ref(o[0] if isinstance(o, tuple) else o)))
-             for m in (blocks.blocks[0], blocks.blocks[0].attn.q_proj, blocks.blocks[0].attn.k_proj, blocks.head)]
+    spies = [
+        m.register_forward_hook(
+            lambda mod, a, o: refs.append(weakref.ref(o[0] if isinstance(o, tuple) else o))
+        )
+        for m in (
+            blocks.blocks[0],
+            blocks.blocks[0].attn.q_proj,
+            blocks.blocks[0].attn.k_proj,
+            blocks.head,
+        )
+    ]
     if armed:
         p.arm(0)
     with torch.no_grad():
@@ -321,9 +361,8 @@ def test_no_tensors_retained(blocks: TinyBlocks, armed: bool) -> None:
 
 def test_sampling_context_disarms_on_error(gpt: TinyGPT) -> None:
     p = P.Probes(gpt)
-    with pytest.raises(RuntimeError):
-        with p.sampling(3):
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), p.sampling(3):
+        raise RuntimeError("boom")
     assert p.armed_step is None and P._ARMED == []
 
 
@@ -363,9 +402,8 @@ def test_errors_recorded_not_raised() -> None:
     assert "transformer.h.0.attn" not in res and "transformer.h.0" in res
     assert len(p.errors) == 2 and "cannot split" in p.errors[0]
     strict = P.Probes(model, strict=True)
-    with pytest.raises(ValueError, match="cannot split"):
-        with strict.sampling(0), torch.no_grad():
-            model(tokens(50))
+    with pytest.raises(ValueError, match="cannot split"), strict.sampling(0), torch.no_grad():
+        model(tokens(50))
 
 
 def test_non_finite_activations_give_nan_not_exceptions(gpt: TinyGPT) -> None:
@@ -377,12 +415,15 @@ def test_non_finite_activations_give_nan_not_exceptions(gpt: TinyGPT) -> None:
     with p.sampling(0), torch.no_grad():
         gpt(idx)
     res = p.collect()
-    assert math.isnan(res["transformer.h.0"]["erank_ratio"]) and res["transformer.h.0"]["grade"] == 0
+    assert (
+        math.isnan(res["transformer.h.0"]["erank_ratio"]) and res["transformer.h.0"]["grade"] == 0
+    )
     assert math.isnan(res["transformer.h.1.attn"]["attn_entropy_min"])
     assert math.isnan(res["lm_head"]["logz_max"])
 
 
 # -- removal -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("style", ["gpt", "blocks"])
 def test_remove_detaches_every_hook(style: str, gpt: TinyGPT, blocks: TinyBlocks) -> None:

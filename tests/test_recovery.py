@@ -1,11 +1,13 @@
 """The recovery state machine, one transition at a time, no Ray."""
+
 from __future__ import annotations
 
 import pytest
-
 from spikeguard.supervisor import recovery as rc
 
-S = rc.Settings(lr_factors=(0.5, 0.3), probation_steps=1000, max_attempts=2, min_grade=4, min_steps_back=50)
+S = rc.Settings(
+    lr_factors=(0.5, 0.3), probation_steps=1000, max_attempts=2, min_grade=4, min_steps_back=50
+)
 
 
 def running() -> rc.State:
@@ -16,7 +18,9 @@ def running() -> rc.State:
 
 
 def recover(step: int = 1200, settings: rc.Settings = S) -> rc.Recover:
-    return rc.Recover(rule="loss_spike", reason="loss 9.1 > 1.5x median 2.1", step=step, settings=settings)
+    return rc.Recover(
+        rule="loss_spike", reason="loss 9.1 > 1.5x median 2.1", step=step, settings=settings
+    )
 
 
 def kinds(t: rc.Transition) -> list[str]:
@@ -45,11 +49,22 @@ def to_rolling_back() -> rc.State:
 
 
 def test_checkpoint_chosen_cuts_lr_resets_optimizer_and_launches_next_generation():
-    t = rc.step(to_rolling_back(), rc.CheckpointChosen("/c/1000.pt", step=1000, sha256="ab", grade=6,
-                                                        skipped=(("/c/1100.pt", "sha256 mismatch"),)))
+    t = rc.step(
+        to_rolling_back(),
+        rc.CheckpointChosen(
+            "/c/1000.pt",
+            step=1000,
+            sha256="ab",
+            grade=6,
+            skipped=(("/c/1100.pt", "sha256 mismatch"),),
+        ),
+    )
     assert t.state.phase is rc.Phase.RELAUNCHING
     assert kinds(t) == ["rollback", "lr_cut", "optimizer_reset"]
-    assert t.events[0]["checkpoint_step"] == 1000 and t.events[0]["skipped"][0]["reason"] == "sha256 mismatch"
+    assert (
+        t.events[0]["checkpoint_step"] == 1000
+        and t.events[0]["skipped"][0]["reason"] == "sha256 mismatch"
+    )
     (launch,) = t.effects
     assert isinstance(launch, rc.Launch)
     assert launch.plan.checkpoint == "/c/1000.pt" and launch.plan.sha256 == "ab"
@@ -73,7 +88,9 @@ def test_skip_window_covers_incident_data_but_not_before_checkpoint():
 
 
 def test_no_healthy_checkpoint_escalates_and_shuts_down():
-    t = rc.step(to_rolling_back(), rc.CheckpointChosen(None, skipped=(("/c/1.pt", "grade S2 < S4"),)))
+    t = rc.step(
+        to_rolling_back(), rc.CheckpointChosen(None, skipped=(("/c/1.pt", "grade S2 < S4"),))
+    )
     assert t.state.phase is rc.Phase.ESCALATED and t.state.exit_code == 3
     assert kinds(t) == ["rollback", "escalated"]
     assert t.effects == (rc.Shutdown(3),)

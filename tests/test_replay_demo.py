@@ -1,6 +1,7 @@
 """`policy replay` of the default policy over a recorded supervised demo run names the steps the
 live supervisor acted on (tests/data/demo_run: reports.jsonl and journal.jsonl of
 `spikeguard demo`, 2 ranks, recorded 2026-11-30). Re-record both if the default policy changes."""
+
 from __future__ import annotations
 
 import gzip
@@ -17,8 +18,11 @@ def test_replay_reproduces_the_live_recoveries():
         messages = [json.loads(line) for line in f]
     journal = [json.loads(line) for line in (DATA / "journal.jsonl").read_text().splitlines()]
     live = [(e["step"], e["rule"], e["rank"]) for e in journal if e["kind"] == "incident"]
-    replayed = [(d.step, d.rule, d.rank) for d in replay(load_policy("default"), messages)
-                if d.action == "recover"]
+    replayed = [
+        (d.step, d.rule, d.rank)
+        for d in replay(load_policy("default"), messages)
+        if d.action == "recover"
+    ]
     assert live and replayed == live
 
 

@@ -1,4 +1,5 @@
 """The rank-side API: channel back-pressure, resume plans, LR scale, skips, fencing."""
+
 from __future__ import annotations
 
 import json
@@ -7,9 +8,8 @@ import threading
 import time
 
 import pytest
-import torch
-
 import spikeguard.workers as sgw
+import torch
 from spikeguard.examples.model import GPT
 from spikeguard.workers import contract
 from spikeguard.workers.channel import SocketChannel, open_channel
@@ -48,7 +48,9 @@ def test_full_bounded_queue_never_blocks_step(tmp_path, monkeypatch):
         t0 = time.perf_counter()
         sg.step(step=s, loss=1.0, extra={"pad": "x" * 100_000})  # fills the socket buffer fast
         worst = max(worst, time.perf_counter() - t0)
-    assert sg.channel.dropped > 0  # back-pressure was real: the socket filled and the queue overflowed
+    assert (
+        sg.channel.dropped > 0
+    )  # back-pressure was real: the socket filled and the queue overflowed
     assert worst < 0.5  # generous: a blocking send would hang here for good
     srv.close()
 
@@ -67,7 +69,9 @@ def test_step_reports_heartbeats_and_samples_only_on_sampled_steps(tmp_path):
     assert [s for t, s in types if t == "report"] == [0, 3, 6]
     assert [s for t, s in types if t == "heartbeat"] == [1, 2, 4, 5]
     rep = next(m for m in msgs if m["type"] == "report")
-    assert rep["summary"]["grade"] == min(v["grade"] for v in rep["layers"].values() if "grade" in v)
+    assert rep["summary"]["grade"] == min(
+        v["grade"] for v in rep["layers"].values() if "grade" in v
+    )
     assert sg.recent_batch_ids()[-1] == (6, [6])
 
 
@@ -85,7 +89,9 @@ def _saved(tmp_path, monkeypatch):
     sg = sgw.attach(model, ckpt_dir=str(tmp_path / "ck"), sample_every=1)
     for s in range(5):
         train_step(model, opt, sg, s)
-    info = sg.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 4}, step=4)
+    info = sg.save_checkpoint(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 4}, step=4
+    )
     sg.close()
     return model, info
 
@@ -101,8 +107,14 @@ def test_checkpoint_metadata_carries_grades_and_resume_restores_weights(tmp_path
     model, info = _saved(tmp_path, monkeypatch)
     assert info.grade is not None and 0 <= info.grade <= 7
     assert info.meta["signals_step"] == 4 and info.meta["layers"]
-    _with_plan(tmp_path, monkeypatch, checkpoint=info.path, sha256=info.sha256, checkpoint_step=4,
-               reset_optimizer=False)
+    _with_plan(
+        tmp_path,
+        monkeypatch,
+        checkpoint=info.path,
+        sha256=info.sha256,
+        checkpoint_step=4,
+        reset_optimizer=False,
+    )
     fresh = tiny()
     with torch.no_grad():
         for p_ in fresh.parameters():
@@ -118,8 +130,15 @@ def test_checkpoint_metadata_carries_grades_and_resume_restores_weights(tmp_path
 
 def test_reset_optimizer_and_lr_scale_survive_a_scheduler(tmp_path, monkeypatch):
     _, info = _saved(tmp_path, monkeypatch)
-    _with_plan(tmp_path, monkeypatch, checkpoint=info.path, sha256=info.sha256, checkpoint_step=4,
-               reset_optimizer=True, lr_scale=0.25)
+    _with_plan(
+        tmp_path,
+        monkeypatch,
+        checkpoint=info.path,
+        sha256=info.sha256,
+        checkpoint_step=4,
+        reset_optimizer=True,
+        lr_scale=0.25,
+    )
     model = tiny()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
@@ -137,7 +156,9 @@ def test_reset_optimizer_and_lr_scale_survive_a_scheduler(tmp_path, monkeypatch)
         lr_eff = ((w0 - model.lm_head.weight.detach()) / g)[g.abs() > 1e-6].mean().item()
         assert lr_eff == pytest.approx(sched.get_last_lr()[0] * 0.25, rel=1e-3)
         sched.step()
-    assert opt.param_groups[0]["lr"] == pytest.approx(sched.get_last_lr()[0])  # the schedule is untouched
+    assert opt.param_groups[0]["lr"] == pytest.approx(
+        sched.get_last_lr()[0]
+    )  # the schedule is untouched
     sg.close()
 
 
@@ -162,7 +183,11 @@ def test_skip_ranges(tmp_path, monkeypatch):
     sg = sgw.attach(tiny(), report=f"jsonl://{out}")
     assert [s for s in range(8) if sg.should_skip(s)] == [3, 4, 5]
     sg.close()
-    assert [json.loads(x)["step"] for x in out.read_text().splitlines() if '"skipped"' in x] == [3, 4, 5]
+    assert [json.loads(x)["step"] for x in out.read_text().splitlines() if '"skipped"' in x] == [
+        3,
+        4,
+        5,
+    ]
 
 
 def test_stale_generation_cannot_write_checkpoints(tmp_path, monkeypatch):

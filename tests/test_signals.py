@@ -1,4 +1,5 @@
 """Tests of spikeguard.workers.signals: effective rank, grades, attention entropy, log Z."""
+
 from __future__ import annotations
 
 import math
@@ -6,7 +7,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from spikeguard.workers import signals as S
 
 torch.set_num_threads(1)
@@ -41,7 +41,7 @@ def realistic(rows: int, d: int, kind: str, seed: int = 0) -> torch.Tensor:
     if kind.startswith("pow"):
         s = i ** -float(kind[3:])
     elif kind == "outlier":  # power law with a few massive-activation directions
-        s = i ** -0.5
+        s = i**-0.5
         s[:3] *= 30
     elif kind == "exp":
         s = torch.exp(-i / 10)
@@ -54,6 +54,7 @@ def realistic(rows: int, d: int, kind: str, seed: int = 0) -> torch.Tensor:
 
 
 # -- effective rank: known spectra -------------------------------------------------------
+
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("n", [16, 64])
@@ -73,21 +74,25 @@ def test_rank_one(method: str, shape: tuple[int, int]) -> None:
 
 def geometric_erank(rho: float, n: int) -> float:
     """Closed form: p_i = c rho^i (i < n), H = -log c - log(rho) E[i]."""
-    c = (1 - rho) / (1 - rho ** n)
-    mean_i = rho / (1 - rho) - n * rho ** n / (1 - rho ** n)
+    c = (1 - rho) / (1 - rho**n)
+    mean_i = rho / (1 - rho) - n * rho**n / (1 - rho**n)
     return math.exp(-math.log(c) - math.log(rho) * mean_i)
 
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("rho", [0.5, 0.8, 0.95])
 @pytest.mark.parametrize("shape,r", [((96, 48), 48), ((600, 200), 64), ((40, 300), 20)])
-def test_geometric_spectrum_matches_closed_form(method: str, rho: float, shape: tuple[int, int], r: int) -> None:
+def test_geometric_spectrum_matches_closed_form(
+    method: str, rho: float, shape: tuple[int, int], r: int
+) -> None:
     s = rho ** torch.arange(r, dtype=torch.float64)
     x = with_spectrum(*shape, s)
     n = min(r, 32)
     expected = geometric_erank(rho, n)
     assert S.effective_rank(x, method=method) == pytest.approx(expected, rel=1e-4)
-    assert S.effective_rank_ratio(x, method=method) == pytest.approx(expected / min(*shape, 32), rel=1e-4)
+    assert S.effective_rank_ratio(x, method=method) == pytest.approx(
+        expected / min(*shape, 32), rel=1e-4
+    )
 
 
 def test_k_limits_the_spectrum() -> None:
@@ -98,6 +103,7 @@ def test_k_limits_the_spectrum() -> None:
 
 
 # -- effective rank: fast paths vs reference ---------------------------------------------
+
 
 def test_auto_picks_by_shape() -> None:
     assert S.choose_method(4096, 64) == "svd"
@@ -194,11 +200,12 @@ def test_effective_rank_rejects_bad_arguments() -> None:
 
 # -- grades ------------------------------------------------------------------------------
 
+
 def test_grade_boundaries() -> None:
     t = S.DEFAULT_THRESHOLDS
     assert t == (0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
     for i, th in enumerate(t):
-        assert S.grade_of(th) == 6 - i, th            # exactly at a threshold: not above it
+        assert S.grade_of(th) == 6 - i, th  # exactly at a threshold: not above it
         assert S.grade_of(th + 1e-9) == 7 - i, th
         assert S.grade_of(th - 1e-9) == 6 - i, th
     assert S.grade_of(0.7) == 6 and S.grade_of(0.7 + 1e-12) == 7
@@ -211,9 +218,14 @@ def test_grade_custom_thresholds_and_validation() -> None:
     t = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
     assert S.grade_of(0.85, t) == 6
     assert S.grade_of(0.3, t) == 0
-    for bad in [(0.7, 0.6, 0.5, 0.4, 0.3, 0.2), (0.7, 0.6, 0.6, 0.4, 0.3, 0.2, 0.1),
-                (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7), (1.0, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1),
-                (0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.0), (0.7, 0.6, 0.5, 0.4, 0.3, 0.2, float("nan"))]:
+    for bad in [
+        (0.7, 0.6, 0.5, 0.4, 0.3, 0.2),
+        (0.7, 0.6, 0.6, 0.4, 0.3, 0.2, 0.1),
+        (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7),
+        (1.0, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1),
+        (0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.0),
+        (0.7, 0.6, 0.5, 0.4, 0.3, 0.2, float("nan")),
+    ]:
         with pytest.raises(ValueError):
             S.grade_of(0.5, bad)
 
@@ -232,7 +244,10 @@ def test_format_and_parse_grade() -> None:
 
 # -- attention ---------------------------------------------------------------------------
 
-def explicit_probs(q: torch.Tensor, k: torch.Tensor, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+
+def explicit_probs(
+    q: torch.Tensor, k: torch.Tensor, causal: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
@@ -266,14 +281,18 @@ def test_one_hot_attention_has_zero_entropy() -> None:
 def test_causal_mask_respected() -> None:
     q, k = torch.zeros(1, 2, 1, 4), torch.randn(1, 2, 5, 4)
     assert S.attention_stats(q, k)["attn_entropy_mean"] == 0.0  # query 0 sees key 0 only
-    assert S.attention_stats(q, k, causal=False)["attn_entropy_mean"] == pytest.approx(math.log(5), rel=1e-5)
+    assert S.attention_stats(q, k, causal=False)["attn_entropy_mean"] == pytest.approx(
+        math.log(5), rel=1e-5
+    )
     # a huge logit on a future key must not leak into max_logit or the entropy
     q2, k2 = torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2)
     q2[0, 0, :3, 0] = 1.0  # queries 0..2 would all pick key 3 if they could see it
     k2[0, 0, 3, 0] = 1e4
     st = S.attention_stats(q2, k2)
     assert st["max_logit"] == 0.0
-    assert st["attn_entropy_mean"] == pytest.approx(sum(math.log(n) for n in (1, 2, 3, 4)) / 4, rel=1e-5)
+    assert st["attn_entropy_mean"] == pytest.approx(
+        sum(math.log(n) for n in (1, 2, 3, 4)) / 4, rel=1e-5
+    )
     assert S.attention_stats(q2, k2, causal=False)["max_logit"] == pytest.approx(1e4 / math.sqrt(2))
 
 
@@ -300,11 +319,15 @@ def test_gqa_matches_repeat_interleave_and_sdpa() -> None:
     v = torch.randn(2, 2, 7, 8, generator=g)
     kr = k.repeat_interleave(3, dim=1)
     _, probs = explicit_probs(q, kr)
-    torch.testing.assert_close(probs @ v.repeat_interleave(3, dim=1),
-                               F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    torch.testing.assert_close(
+        probs @ v.repeat_interleave(3, dim=1),
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+    )
     st = S.attention_stats(q, k)
     assert st["head_entropy"] == pytest.approx(S.attention_stats(q, kr)["head_entropy"], rel=1e-6)
-    torch.testing.assert_close(torch.tensor(st["head_entropy"]), torch.special.entr(probs).sum(-1).mean(dim=(0, 2)))
+    torch.testing.assert_close(
+        torch.tensor(st["head_entropy"]), torch.special.entr(probs).sum(-1).mean(dim=(0, 2))
+    )
     with pytest.raises(ValueError):
         S.attention_stats(q, torch.randn(2, 4, 7, 8))
 
@@ -350,6 +373,7 @@ def test_attention_rejects_bad_shapes() -> None:
 
 
 # -- log Z -------------------------------------------------------------------------------
+
 
 def test_logz_matches_logsumexp() -> None:
     g = torch.Generator().manual_seed(0)

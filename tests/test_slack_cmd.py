@@ -10,16 +10,26 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fakeslack import TOKEN, FakeSlack  # noqa: E402
+from fakeslack import TOKEN, FakeSlack
+from spikeguard.supervisor import slack_cmd
 
-from spikeguard.supervisor import slack_cmd  # noqa: E402
 
-
-def run_cli(monkeypatch, capsys, fake_url: str | None, *argv: str, token: str | None = TOKEN,
-            webhook: str | None = None) -> tuple[int, str, str]:
+def run_cli(
+    monkeypatch,
+    capsys,
+    fake_url: str | None,
+    *argv: str,
+    token: str | None = TOKEN,
+    webhook: str | None = None,
+) -> tuple[int, str, str]:
     """Run ``spikeguard slack test ARGV`` through argparse as the CLI does."""
-    for var in ("SLACK_BOT_TOKEN", "SPIKEGUARD_SLACK_WEBHOOK_URL", "SPIKEGUARD_SLACK_CHANNEL",
-                "SPIKEGUARD_SLACK_API_URL", "SPIKEGUARD_SLACK_MENTION"):
+    for var in (
+        "SLACK_BOT_TOKEN",
+        "SPIKEGUARD_SLACK_WEBHOOK_URL",
+        "SPIKEGUARD_SLACK_CHANNEL",
+        "SPIKEGUARD_SLACK_API_URL",
+        "SPIKEGUARD_SLACK_MENTION",
+    ):
         monkeypatch.delenv(var, raising=False)
     if token:
         monkeypatch.setenv("SLACK_BOT_TOKEN", token)
@@ -61,8 +71,9 @@ def test_channel_from_the_environment(fake, monkeypatch, capsys):
 
 
 def test_invalid_token(fake, monkeypatch, capsys):
-    code, _, err = run_cli(monkeypatch, capsys, fake.api_url, "--channel", "#ml-alerts",
-                           token="xoxb-not-a-valid-token")
+    code, _, err = run_cli(
+        monkeypatch, capsys, fake.api_url, "--channel", "#ml-alerts", token="xoxb-not-a-valid-token"
+    )
     assert code == 2
     assert "invalid_auth" in err and "SLACK_BOT_TOKEN is not valid" in err
     assert "xoxb-not-a-valid-token" not in err
@@ -81,8 +92,10 @@ def test_channel_not_found(fake, monkeypatch, capsys):
 
 def test_missing_scope_seen_in_the_token_scopes():
     with FakeSlack(scopes=("files:write",)) as fake:
-        s = slack_cmd.SlackSettings.from_env(channel="#ml-alerts", environ={
-            "SLACK_BOT_TOKEN": TOKEN, "SPIKEGUARD_SLACK_API_URL": fake.api_url})
+        s = slack_cmd.SlackSettings.from_env(
+            channel="#ml-alerts",
+            environ={"SLACK_BOT_TOKEN": TOKEN, "SPIKEGUARD_SLACK_API_URL": fake.api_url},
+        )
         out, err = _Buf(), _Buf()
         assert slack_cmd.run_test(s, out, err) == 2
         assert "missing_scope" in err.text and "chat:write" in err.text
@@ -90,8 +103,12 @@ def test_missing_scope_seen_in_the_token_scopes():
 
 
 def test_missing_scope_reported_by_slack_with_needed(fake, monkeypatch, capsys):
-    fake.force_error("chat.postMessage", "missing_scope", needed="chat:write.public",
-                     provided="chat:write,files:write")
+    fake.force_error(
+        "chat.postMessage",
+        "missing_scope",
+        needed="chat:write.public",
+        provided="chat:write,files:write",
+    )
     code, _, err = run_cli(monkeypatch, capsys, fake.api_url, "--channel", "#ml-alerts")
     assert code == 2
     assert "missing_scope" in err and "`chat:write.public`" in err
@@ -102,8 +119,9 @@ def test_network_error(monkeypatch, capsys):
     with socket.socket() as s:  # a port that nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code, _, err = run_cli(monkeypatch, capsys, f"http://127.0.0.1:{port}/api/",
-                           "--channel", "#ml-alerts")
+    code, _, err = run_cli(
+        monkeypatch, capsys, f"http://127.0.0.1:{port}/api/", "--channel", "#ml-alerts"
+    )
     assert code == 2 and "network error" in err and f"127.0.0.1:{port}" in err
 
 

@@ -10,21 +10,30 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fakeslack import TOKEN  # noqa: E402
-
-from spikeguard.supervisor.slack import (SlackNotifier, SlackSettings,  # noqa: E402
-                                         refuse_secret_in_config)
+from fakeslack import TOKEN
+from spikeguard.supervisor.slack import (
+    SlackNotifier,
+    SlackSettings,
+    refuse_secret_in_config,
+)
 
 SECRET = "xoxb-1234567890-0987654321-AbCdEfGhIjKlMnOp"
 HOOK = "https://hooks.slack.com/services/T000/B000/XXXXXXXXXXXX"
 
 
 def test_from_env_takes_secrets_and_defaults_from_the_environment():
-    env = {"SLACK_BOT_TOKEN": SECRET, "SPIKEGUARD_SLACK_CHANNEL": "#ml-oncall",
-           "SPIKEGUARD_SLACK_API_URL": "http://127.0.0.1:9/api"}
+    env = {
+        "SLACK_BOT_TOKEN": SECRET,
+        "SPIKEGUARD_SLACK_CHANNEL": "#ml-oncall",
+        "SPIKEGUARD_SLACK_API_URL": "http://127.0.0.1:9/api",
+    }
     s = SlackSettings.from_env(mention="<!subteam^S0ONCALL>", environ=env, repeat_interval_s=30)
-    assert (s.mode, s.token, s.channel, s.api_url) == ("bot", SECRET, "#ml-oncall",
-                                                       "http://127.0.0.1:9/api/")
+    assert (s.mode, s.token, s.channel, s.api_url) == (
+        "bot",
+        SECRET,
+        "#ml-oncall",
+        "http://127.0.0.1:9/api/",
+    )
     assert s.repeat_interval_s == 30 and s.min_interval_s == 1.0 and s.problems() == []
     assert SECRET not in repr(s)
     assert SlackSettings.from_env(channel="C0ARG", environ=env).channel == "C0ARG"
@@ -46,18 +55,27 @@ def test_secrets_cannot_be_passed_as_arguments(key):
 def test_problems_explain_what_is_missing():
     assert SlackSettings.from_env(environ={}).problems() == [
         "SLACK_BOT_TOKEN is not set",
-        "no channel: set slack.channel in the job file or SPIKEGUARD_SLACK_CHANNEL"]
+        "no channel: set slack.channel in the job file or SPIKEGUARD_SLACK_CHANNEL",
+    ]
     s = SlackSettings.from_env(mode="webhook", environ={})
     assert s.problems() == ["webhook mode needs SPIKEGUARD_SLACK_WEBHOOK_URL"]
     with pytest.raises(ValueError, match="SLACK_BOT_TOKEN is not set"):
-        SlackNotifier(SlackSettings.from_env(channel="#x", environ={}), run="r",
-                      journal=lambda e: None)
+        SlackNotifier(
+            SlackSettings.from_env(channel="#x", environ={}), run="r", journal=lambda e: None
+        )
 
 
-@pytest.mark.parametrize("given, expected", [
-    ("U0ABC123", "<@U0ABC123>"), ("S0ONCALL", "<!subteam^S0ONCALL>"),
-    ("<@U0ABC123>", "<@U0ABC123>"), ("<!subteam^S0ONCALL|ml-oncall>", "<!subteam^S0ONCALL|ml-oncall>"),
-    ("<!here>", "<!here>"), (None, None)])
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ("U0ABC123", "<@U0ABC123>"),
+        ("S0ONCALL", "<!subteam^S0ONCALL>"),
+        ("<@U0ABC123>", "<@U0ABC123>"),
+        ("<!subteam^S0ONCALL|ml-oncall>", "<!subteam^S0ONCALL|ml-oncall>"),
+        ("<!here>", "<!here>"),
+        (None, None),
+    ],
+)
 def test_mentions_are_normalised(given, expected):
     assert SlackSettings(mention=given).mention == expected
 
@@ -95,22 +113,28 @@ def test_a_token_in_a_job_file_is_refused_without_echoing_it():
     assert "SLACK_BOT_TOKEN" in msg and SECRET not in msg
 
 
-@pytest.mark.parametrize("doc, path", [
-    ({"notify": {"slack": {"webhook_url": HOOK}}}, "notify.slack.webhook_url"),
-    ({"env": {"SLACK_BOT_TOKEN": SECRET}}, "env.SLACK_BOT_TOKEN"),  # by its value
-    ({"args": ["--hook", HOOK]}, "args[1]"),
-    ({"slack_token": "redacted-but-still-a-secret"}, "slack_token"),
-    ({"notify": {"slack": {"token": "not-an-xox-token"}}}, "notify.slack.token"),
-])
+@pytest.mark.parametrize(
+    "doc, path",
+    [
+        ({"notify": {"slack": {"webhook_url": HOOK}}}, "notify.slack.webhook_url"),
+        ({"env": {"SLACK_BOT_TOKEN": SECRET}}, "env.SLACK_BOT_TOKEN"),  # by its value
+        ({"args": ["--hook", HOOK]}, "args[1]"),
+        ({"slack_token": "redacted-but-still-a-secret"}, "slack_token"),
+        ({"notify": {"slack": {"token": "not-an-xox-token"}}}, "notify.slack.token"),
+    ],
+)
 def test_secrets_anywhere_in_a_job_file_are_refused(doc, path):
     with pytest.raises(ValueError, match=re.escape(f"'{path}' holds a Slack")):
         refuse_secret_in_config(doc, "job.yaml")
 
 
 def test_ordinary_ml_keys_are_not_mistaken_for_secrets():
-    refuse_secret_in_config(yaml.safe_load("""
+    refuse_secret_in_config(
+        yaml.safe_load("""
 name: gpt-1b
 args: ["--max-tokens", "2048", "--tokenizer", "gpt2"]
 env: {TOKENIZERS_PARALLELISM: "false", max_tokens: 2048}
 notify: {slack: {channel: "#ml-oncall", mention: "<!subteam^S0ONCALL>", token: null}}
-"""), "job.yaml")
+"""),
+        "job.yaml",
+    )

@@ -12,11 +12,16 @@ from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fakeslack import SPEC_PATH, TOKEN, FakeSlack, incident_events, load_spec  # noqa: E402
-
-from spikeguard.supervisor.charts import has_chart_data, render_incident_chart  # noqa: E402
-from spikeguard.supervisor.slack_blocks import (IncidentView, Links, num,  # noqa: E402
-                                                ranks_text, root_message, summary_line)
+from fakeslack import SPEC_PATH, TOKEN, FakeSlack, incident_events, load_spec
+from spikeguard.supervisor.charts import has_chart_data, render_incident_chart
+from spikeguard.supervisor.slack_blocks import (
+    IncidentView,
+    Links,
+    num,
+    ranks_text,
+    root_message,
+    summary_line,
+)
 
 
 @pytest.fixture
@@ -50,48 +55,94 @@ def test_the_spec_is_slacks_and_is_read():
 def test_block_kit_limits_are_enforced(fake):
     c = client(fake)
     head = [{"type": "header", "text": {"type": "plain_text", "text": "h" * 151}}]
-    rejected(fake, lambda: c.chat_postMessage(channel="C0ALERTS", text="t", blocks=head),
-             "151 chars > 150")
+    rejected(
+        fake,
+        lambda: c.chat_postMessage(channel="C0ALERTS", text="t", blocks=head),
+        "151 chars > 150",
+    )
     many = [{"type": "divider"}] * 51
-    rejected(fake, lambda: c.chat_postMessage(channel="C0ALERTS", text="t", blocks=many),
-             "51 blocks > 50")
+    rejected(
+        fake,
+        lambda: c.chat_postMessage(channel="C0ALERTS", text="t", blocks=many),
+        "51 blocks > 50",
+    )
     long = [{"type": "section", "text": {"type": "mrkdwn", "text": "x" * 3001}}]
-    rejected(fake, lambda: c.chat_postMessage(channel="C0ALERTS", text="t", blocks=long),
-             "3001 chars > 3000")
+    rejected(
+        fake,
+        lambda: c.chat_postMessage(channel="C0ALERTS", text="t", blocks=long),
+        "3001 chars > 3000",
+    )
     fields = [{"type": "section", "fields": [{"type": "mrkdwn", "text": "f"}] * 11}]
-    rejected(fake, lambda: c.chat_postMessage(channel="C0ALERTS", text="t", blocks=fields),
-             "1..10 items")
+    rejected(
+        fake, lambda: c.chat_postMessage(channel="C0ALERTS", text="t", blocks=fields), "1..10 items"
+    )
     big = [{"type": "section", "fields": [{"type": "mrkdwn", "text": "f" * 2001}]}]
-    rejected(fake, lambda: c.chat_update(channel="C0ALERTS", ts="1.2", text="t", blocks=big),
-             "2001 chars > 2000")
+    rejected(
+        fake,
+        lambda: c.chat_update(channel="C0ALERTS", ts="1.2", text="t", blocks=big),
+        "2001 chars > 2000",
+    )
     plain_header = [{"type": "header", "text": {"type": "mrkdwn", "text": "*h*"}}]
-    rejected(fake, lambda: c.chat_postMessage(channel="C0ALERTS", text="t", blocks=plain_header),
-             "plain_text")
+    rejected(
+        fake,
+        lambda: c.chat_postMessage(channel="C0ALERTS", text="t", blocks=plain_header),
+        "plain_text",
+    )
 
 
 def test_parameters_are_checked_against_the_spec(fake):
     c = client(fake)
-    rejected(fake, lambda: c.api_call("chat.postMessage", json={"text": "no channel"}),
-             "required parameter 'channel' missing")
-    rejected(fake, lambda: c.api_call("chat.update", json={"channel": "C0ALERTS", "text": "x"}),
-             "required parameter 'ts' missing")
-    rejected(fake, lambda: c.api_call("chat.postMessage", json={
-        "channel": "C0ALERTS", "text": "x", "reply_broadcast": "yes"}), "boolean expected")
-    rejected(fake, lambda: c.api_call("chat.postMessage", json={
-        "channel": "C0ALERTS", "text": "x", "thread_tss": "1.2"}), "unknown parameter 'thread_tss'")
-    rejected(fake, lambda: c.api_call("chat.postMessage", params={
-        "channel": "C0ALERTS", "blocks": "[{not json"}), "does not parse as JSON")
-    rejected(fake, lambda: c.api_call("files.getUploadURLExternal", params={
-        "filename": "a.png", "length": "many"}), "integer expected")
-    rejected(fake, lambda: client(fake, token=None).chat_postMessage(channel="C0ALERTS", text="x"),
-             "token missing from the Authorization header")
+    rejected(
+        fake,
+        lambda: c.api_call("chat.postMessage", json={"text": "no channel"}),
+        "required parameter 'channel' missing",
+    )
+    rejected(
+        fake,
+        lambda: c.api_call("chat.update", json={"channel": "C0ALERTS", "text": "x"}),
+        "required parameter 'ts' missing",
+    )
+    rejected(
+        fake,
+        lambda: c.api_call(
+            "chat.postMessage", json={"channel": "C0ALERTS", "text": "x", "reply_broadcast": "yes"}
+        ),
+        "boolean expected",
+    )
+    rejected(
+        fake,
+        lambda: c.api_call(
+            "chat.postMessage", json={"channel": "C0ALERTS", "text": "x", "thread_tss": "1.2"}
+        ),
+        "unknown parameter 'thread_tss'",
+    )
+    rejected(
+        fake,
+        lambda: c.api_call(
+            "chat.postMessage", params={"channel": "C0ALERTS", "blocks": "[{not json"}
+        ),
+        "does not parse as JSON",
+    )
+    rejected(
+        fake,
+        lambda: c.api_call(
+            "files.getUploadURLExternal", params={"filename": "a.png", "length": "many"}
+        ),
+        "integer expected",
+    )
+    rejected(
+        fake,
+        lambda: client(fake, token=None).chat_postMessage(channel="C0ALERTS", text="x"),
+        "token missing from the Authorization header",
+    )
 
 
 def test_a_good_request_passes_and_threads_are_checked(fake):
     c = client(fake)
     root = c.chat_postMessage(channel="#ml-alerts", text="root")
-    c.chat_postMessage(channel=root["channel"], thread_ts=root["ts"], text="reply",
-                       reply_broadcast=True)
+    c.chat_postMessage(
+        channel=root["channel"], thread_ts=root["ts"], text="reply", reply_broadcast=True
+    )
     assert fake.violations == [] and len(fake.messages) == 2
     with pytest.raises(SlackApiError):  # a reply to a reply is a client bug
         c.chat_postMessage(channel="C0ALERTS", thread_ts=fake.messages[1]["ts"], text="x")
@@ -136,9 +187,16 @@ def test_text_helpers():
     assert ranks_text([0, 1, 2, 3, 5, 7, 8]) == "0–3, 5, 7–8"
     assert ranks_text(None) == "—"
     assert (num(12345), num(0.000123456), num(math.nan), num(None), num("inf")) == (
-        "12,345", "0.0001235", "nan", "—", "inf")
-    assert summary_line({"kind": "lr_cut", "factor": 0.5, "lr_scale": 0.25}) == \
-        "LR cut ×0.5: LR scale now 0.25"
+        "12,345",
+        "0.0001235",
+        "nan",
+        "—",
+        "inf",
+    )
+    assert (
+        summary_line({"kind": "lr_cut", "factor": 0.5, "lr_scale": 0.25})
+        == "LR cut ×0.5: LR scale now 0.25"
+    )
 
 
 def test_root_message_in_every_state():

@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fakeslack import TOKEN, FakeSlack, incident_events  # noqa: E402
-
-from spikeguard.supervisor.slack import SlackNotifier, SlackSettings  # noqa: E402
+from fakeslack import TOKEN, FakeSlack, incident_events
+from spikeguard.supervisor.slack import SlackNotifier, SlackSettings
 
 HANDLE_BUDGET_S = 0.05  # what one notification may cost a recovery step
 
@@ -93,11 +92,22 @@ def test_messages_given_up_after_retries_are_journaled(fake):
     lost = [e for e in journal if e["kind"] == "notify_undelivered"]
     whats = [e["what"] for e in lost]
     assert whats[:2] == ["inc-001 root", "inc-001 chart"]
-    for kind in ("kill", "rollback", "lr_cut", "optimizer_reset", "launch", "probation_start",
-                 "probation_passed"):
+    for kind in (
+        "kill",
+        "rollback",
+        "lr_cut",
+        "optimizer_reset",
+        "launch",
+        "probation_start",
+        "probation_passed",
+    ):
         assert f"inc-001 {kind}" in whats
-    assert all(e["incident"] == "inc-001" and "gave up after 3 attempts" in e["error"]
-               and "HTTP 500" in e["error"] for e in lost)
+    assert all(
+        e["incident"] == "inc-001"
+        and "gave up after 3 attempts" in e["error"]
+        and "HTTP 500" in e["error"]
+        for e in lost
+    )
     # with no thread, every later message first retries the root (3 attempts each)
     attempts = [c for c in fake.calls if c.method == "chat.postMessage"]
     assert len(attempts) == 3 * len(whats)
@@ -135,8 +145,11 @@ def test_messages_are_paced_per_channel(fake):
     run_recovery(n)
     assert n.flush(30)
     n.close(5)
-    writes = sorted(c.at for c in fake.calls
-                    if c.method in ("chat.postMessage", "chat.update", "files.getUploadURLExternal"))
+    writes = sorted(
+        c.at
+        for c in fake.calls
+        if c.method in ("chat.postMessage", "chat.update", "files.getUploadURLExternal")
+    )
     gaps = [b - a for a, b in zip(writes, writes[1:])]
     assert len(writes) >= 8 and min(gaps) >= 0.19, gaps
 

@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fakeslack import TOKEN, FakeSlack, incident_events  # noqa: E402
-
-from spikeguard.supervisor.slack import SlackNotifier, SlackSettings  # noqa: E402
+from fakeslack import TOKEN, FakeSlack, incident_events
+from spikeguard.supervisor.slack import SlackNotifier, SlackSettings
 
 RUN_URL = "https://runs.example.com/gpt-1b"
 
@@ -21,15 +20,20 @@ def make_settings(fake: FakeSlack, **opts: Any) -> SlackSettings:
     """Bot-mode settings pointed at ``fake`` (fast pacing and backoff unless overridden)."""
     env = {"SLACK_BOT_TOKEN": TOKEN, "SPIKEGUARD_SLACK_API_URL": fake.api_url}
     opts = {"min_interval_s": 0.0, "backoff_s": 0.05, "max_retries": 3, **opts}
-    return SlackSettings.from_env(channel="#ml-alerts", mention="S0ONCALL",
-                                  runbook_url="https://wiki.example.com/runbook",
-                                  dashboard_url="https://grafana.example.com/d/train",
-                                  environ=env, **opts)
+    return SlackSettings.from_env(
+        channel="#ml-alerts",
+        mention="S0ONCALL",
+        runbook_url="https://wiki.example.com/runbook",
+        dashboard_url="https://grafana.example.com/d/train",
+        environ=env,
+        **opts,
+    )
 
 
 def notifier(fake: FakeSlack, journal: list[dict], **opts: Any) -> SlackNotifier:
-    return SlackNotifier(make_settings(fake, **opts), run="gpt-1b", journal=journal.append,
-                         run_dir_url=RUN_URL)
+    return SlackNotifier(
+        make_settings(fake, **opts), run="gpt-1b", journal=journal.append, run_dir_url=RUN_URL
+    )
 
 
 def header(blocks: Any) -> str:
@@ -65,8 +69,10 @@ def test_full_incident_is_one_thread_with_replies_update_broadcast_and_chart(fak
     replies = fake.replies(root["ts"])
     texts = [r["text"] for r in replies]
     assert len(replies) == 7, texts  # one per recovery step, the last one the conclusion
-    for word, text in zip(("Killed", "Rolled back", "LR cut", "Optimizer reset", "Launched",
-                           "Probation", "RESOLVED"), texts):
+    for word, text in zip(
+        ("Killed", "Rolled back", "LR cut", "Optimizer reset", "Launched", "Probation", "RESOLVED"),
+        texts,
+    ):
         assert word in text
     assert [r["reply_broadcast"] for r in replies] == [False] * 6 + [True]
     assert "optimizer moments may carry the instability" in all_text(replies[3]["blocks"])
@@ -82,8 +88,9 @@ def test_full_incident_is_one_thread_with_replies_update_broadcast_and_chart(fak
     # the plain-text fallback is always set
     for c in fake.ok_calls("chat.postMessage") + fake.ok_calls("chat.update"):
         assert c.params.get("text"), c.params
-    assert journal == [{"kind": "notify_thread", "incident": "inc-001", "channel": "C0ALERTS",
-                        "ts": root["ts"]}]
+    assert journal == [
+        {"kind": "notify_thread", "incident": "inc-001", "channel": "C0ALERTS", "ts": root["ts"]}
+    ]
 
 
 def test_root_message_says_what_broke_and_links(fake):
@@ -93,10 +100,20 @@ def test_root_message_says_what_broke_and_links(fake):
     n.close(5)
     (root,) = fake.roots()
     body = all_text(root["blocks"])
-    for expected in ("rank 3 · layer blocks.7.attn", "`attn_entropy_min` = 0.15", "*Step*\\n1,230",
-                     "*Loss*\\n7.9", "*Grad norm*\\n412", "`entropy-collapse`", "*Grade*\\nS2",
-                     f"<{RUN_URL}|Run directory>", "|Dashboard>", "|Runbook>",
-                     "<!subteam^S0ONCALL>", "no action needed yet"):
+    for expected in (
+        "rank 3 · layer blocks.7.attn",
+        "`attn_entropy_min` = 0.15",
+        "*Step*\\n1,230",
+        "*Loss*\\n7.9",
+        "*Grad norm*\\n412",
+        "`entropy-collapse`",
+        "*Grade*\\nS2",
+        f"<{RUN_URL}|Run directory>",
+        "|Dashboard>",
+        "|Runbook>",
+        "<!subteam^S0ONCALL>",
+        "no action needed yet",
+    ):
         assert expected in body, expected
 
 
@@ -146,8 +163,9 @@ def test_a_root_that_never_got_through_is_created_by_the_next_message(fake):
     journal: list[dict] = []
     events = incident_events()
     fake.outage(None)
-    first = SlackNotifier(make_settings(fake, max_retries=1, backoff_s=0.01), run="gpt-1b",
-                          journal=journal.append)
+    first = SlackNotifier(
+        make_settings(fake, max_retries=1, backoff_s=0.01), run="gpt-1b", journal=journal.append
+    )
     for ev in events[:3]:
         journal.append(ev)
         first.handle(ev)
@@ -163,17 +181,28 @@ def test_a_root_that_never_got_through_is_created_by_the_next_message(fake):
     assert second.flush(30)
     second.close(5)
     (root,) = fake.roots()
-    assert "Done so far:* killed ranks 0–3" in all_text(fake.ok_calls("chat.postMessage")[0]
-                                                        .params["blocks"])
+    assert "Done so far:* killed ranks 0–3" in all_text(
+        fake.ok_calls("chat.postMessage")[0].params["blocks"]
+    )
     assert len(fake.replies(root["ts"])) == 5  # lr_cut .. the conclusion
     assert header(root["blocks"]) == "[RESOLVED] S2 · gpt-1b"
 
 
 def alert(t: int, rank: int = 3, severity: str = "warn", incident: str | None = None) -> dict:
-    return {"kind": "alert", "time": f"2024-05-01T04:{t // 60:02d}:{t % 60:02d}+00:00",
-            "incident": incident, "run": "gpt-1b", "rule": "max-logit", "severity": severity,
-            "signal": "max_logit", "value": 81.5, "rank": rank, "layer": "blocks.2.attn",
-            "step": 5000 + t, "reason": "max logit 81.5 > 50 & rising"}
+    return {
+        "kind": "alert",
+        "time": f"2024-05-01T04:{t // 60:02d}:{t % 60:02d}+00:00",
+        "incident": incident,
+        "run": "gpt-1b",
+        "rule": "max-logit",
+        "severity": severity,
+        "signal": "max_logit",
+        "value": 81.5,
+        "rank": rank,
+        "layer": "blocks.2.attn",
+        "step": 5000 + t,
+        "reason": "max logit 81.5 > 50 & rising",
+    }
 
 
 def test_repeated_alerts_are_deduplicated_within_the_repeat_interval(fake):
@@ -216,8 +245,15 @@ def test_probation_progress_is_rate_limited(fake):
     for ev in events[:7]:
         n.handle(ev)
     for t in range(0, 130, 10):
-        n.handle({**events[6], "kind": "probation_progress", "step": 1101 + t, "until_step": 1400,
-                  "time": f"2024-05-01T03:{1 + t // 60:02d}:{t % 60:02d}+00:00"})
+        n.handle(
+            {
+                **events[6],
+                "kind": "probation_progress",
+                "step": 1101 + t,
+                "until_step": 1400,
+                "time": f"2024-05-01T03:{1 + t // 60:02d}:{t % 60:02d}+00:00",
+            }
+        )
     assert n.flush(30)
     n.close(5)
     (root,) = fake.roots()
@@ -257,9 +293,16 @@ def test_webhook_mode_sends_standalone_messages(fake):
 
 def test_a_second_spike_in_probation_stays_in_the_same_thread(fake):
     events = incident_events()
-    again = [{**events[0], "kind": "probation_failed", "step": 1250, "reason": "entropy-collapse "
-              "fired again"}, {**events[0], "attempt": 2, "step": 1250, "context": None},
-             *events[1:]]
+    again = [
+        {
+            **events[0],
+            "kind": "probation_failed",
+            "step": 1250,
+            "reason": "entropy-collapse fired again",
+        },
+        {**events[0], "attempt": 2, "step": 1250, "context": None},
+        *events[1:],
+    ]
     n = notifier(fake, [])
     for ev in events[:7] + again:
         n.handle(ev)

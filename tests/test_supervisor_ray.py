@@ -1,10 +1,10 @@
 """The supervisor end to end on real Ray + gloo with 2 ranks, faults injected into real processes."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
 from conftest import read_jsonl, toy_job
 
 pytestmark = pytest.mark.slow
@@ -22,15 +22,26 @@ def story(run_dir: Path) -> list[dict]:
 
 
 def test_collapse_is_recovered_from_the_chosen_checkpoint_with_cut_lr_and_fresh_optimizer(
-        ray_local, tmp_path, fail_at):
+    ray_local, tmp_path, fail_at
+):
     fail_at(0, 60, "collapse")  # generation 1 only
     job = toy_job(tmp_path, policy=POLICY, faults=fail_at, steps=120)
     assert run(job) == 0
     run_dir = Path(job.run_dir)
     evs = story(run_dir)
     kinds = [e["kind"] for e in evs]
-    assert kinds == ["launch", "incident", "kill", "rollback", "lr_cut", "optimizer_reset", "launch",
-                     "probation_start", "probation_passed", "completed"]
+    assert kinds == [
+        "launch",
+        "incident",
+        "kill",
+        "rollback",
+        "lr_cut",
+        "optimizer_reset",
+        "launch",
+        "probation_start",
+        "probation_passed",
+        "completed",
+    ]
     inc = evs[1]
     assert inc["rule"] == "loss-spike" and 60 <= inc["step"] <= 64
     rb = evs[3]
@@ -38,8 +49,11 @@ def test_collapse_is_recovered_from_the_chosen_checkpoint_with_cut_lr_and_fresh_
     # the chosen checkpoint really is the newest healthy one before the incident
     from spikeguard.workers.checkpoint import list_checkpoints
 
-    healthy = [c for c in list_checkpoints(run_dir / "checkpoints")
-               if c.generation == 1 and c.grade is not None and c.grade >= 4 and c.step <= inc["step"]]
+    healthy = [
+        c
+        for c in list_checkpoints(run_dir / "checkpoints")
+        if c.generation == 1 and c.grade is not None and c.grade >= 4 and c.step <= inc["step"]
+    ]
     assert rb["checkpoint_step"] == max(c.step for c in healthy)
 
     msgs = read_jsonl(run_dir / "reports.jsonl")
@@ -56,7 +70,9 @@ def test_collapse_is_recovered_from_the_chosen_checkpoint_with_cut_lr_and_fresh_
     # a fresh AdamW: its step counter restarts at 1 on the first resumed step
     assert [m["extra"]["adam_steps"] for m in steps[:3]] == [1, 2, 3]
     assert steps[-1]["step"] == 119
-    assert not any(m["gen"] == 1 and m["step"] > inc["step"] + 5 for m in msgs)  # fenced after the kill
+    assert not any(
+        m["gen"] == 1 and m["step"] > inc["step"] + 5 for m in msgs
+    )  # fenced after the kill
 
 
 def test_rank_killed_mid_step_leads_to_recovery(ray_local, tmp_path, fail_at):
@@ -67,7 +83,9 @@ def test_rank_killed_mid_step_leads_to_recovery(ray_local, tmp_path, fail_at):
     inc = next(e for e in evs if e["kind"] == "incident")
     assert inc["rule"] == "crash" and inc["rank"] == 1
     assert [e["kind"] for e in evs][-1] == "completed"
-    assert next(e for e in evs if e["kind"] == "lr_cut")["lr_scale"] == pytest.approx(1.0)  # crash: no cut
+    assert next(e for e in evs if e["kind"] == "lr_cut")["lr_scale"] == pytest.approx(
+        1.0
+    )  # crash: no cut
 
 
 def test_rank_hung_in_all_reduce_is_caught_by_heartbeat_and_recovered(ray_local, tmp_path, fail_at):

@@ -12,6 +12,7 @@ Destinations (see :mod:`spikeguard.workers.contract`):
 * ``tcp://host:port``       — newline-delimited JSON to the rank's agent
 * ``unix:///path/sock``     — the same over a Unix socket
 """
+
 from __future__ import annotations
 
 import json
@@ -147,9 +148,9 @@ class SocketChannel(Channel):
             if self._address.startswith("unix://"):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 s.settimeout(5.0)
-                s.connect(self._address[len("unix://"):])
+                s.connect(self._address[len("unix://") :])
             else:
-                host, _, port = self._address[len("tcp://"):].rpartition(":")
+                host, _, port = self._address[len("tcp://") :].rpartition(":")
                 s = socket.create_connection((host.strip("[]"), int(port)), timeout=5.0)
             self._backoff = 0.05
             return s
@@ -186,7 +187,7 @@ def open_channel(spec: str | None, *, maxsize: int = 1024) -> Channel | NullChan
     if spec is None or spec in ("", "off", "none"):
         return NullChannel()
     if spec.startswith("jsonl://"):
-        return JsonlChannel(spec[len("jsonl://"):], maxsize=maxsize)
+        return JsonlChannel(spec[len("jsonl://") :], maxsize=maxsize)
     if spec.startswith(("tcp://", "unix://")):
         return SocketChannel(spec, maxsize=maxsize)
     raise ValueError(

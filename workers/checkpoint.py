@@ -9,6 +9,7 @@ nothing; ``rank`` is in the name so per-rank shards can come later. Test hook: `
 (read only in :func:`write_checkpoint`) makes the writer sleep so a test can SIGKILL it: ``SECONDS`` or
 ``publish:SECONDS`` once both temp files are durable; ``sidecar:SECONDS`` once the data file alone is published.
 """
+
 from __future__ import annotations
 
 import collections
@@ -23,7 +24,8 @@ import pickle
 import re
 import stat
 import time
-from typing import Any, BinaryIO, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -33,10 +35,27 @@ CHECKPOINT_FORMAT_VERSION = 1
 ENV_TEST_PAUSE = "SPIKEGUARD_TEST_CKPT_PAUSE"
 TMP_PREFIX = ".tmp-"
 _NAME_RE = re.compile(r"^ckpt-step\d+-gen\d+-rank\d+\.pt$")
-_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.Size,
-           torch.dtype, torch.device, torch.layout, torch.qscheme, torch.Tensor, torch.nn.Parameter)
+_LEAVES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    bytearray,
+    torch.Size,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.qscheme,
+    torch.Tensor,
+    torch.nn.Parameter,
+)
 _CONTAINERS = (dict, collections.OrderedDict, collections.defaultdict, list, tuple, set)
-_unsafe_globals = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", lambda f: [])  # torch < 2.5: no scan
+_unsafe_globals = getattr(
+    torch.serialization, "get_unsafe_globals_in_checkpoint", lambda f: []
+)  # torch < 2.5: no scan
 _safe_globals = getattr(torch.serialization, "get_safe_globals", list)  # torch < 2.4: none
 
 
@@ -75,6 +94,7 @@ class CheckpointInfo:
 
 class CheckpointList(list[CheckpointInfo]):
     """:func:`list_checkpoints`'s result; ``problems`` holds (path, reason) for each file skipped."""
+
     problems: list[tuple[str, str]]
 
 
@@ -94,11 +114,22 @@ def _prepare(obj: Any, where: str, safe: set[type]) -> Any:
     if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc":
         return torch.tensor(obj)
     if t not in _CONTAINERS:
-        raise CheckpointError(f"{where}: {t.__module__}.{t.__qualname__} cannot be loaded with weights_only=True; "
-                              "store plain containers, scalars and tensors (or add_safe_globals the class)")
+        raise CheckpointError(
+            f"{where}: {t.__module__}.{t.__qualname__} cannot be loaded with weights_only=True; "
+            "store plain containers, scalars and tensors (or add_safe_globals the class)"
+        )
     if isinstance(obj, dict):
-        out = {_prepare(k, f"{where}[{k!r}]", safe): _prepare(v, f"{where}[{k!r}]", safe) for k, v in obj.items()}
-        return out if t is collections.defaultdict else obj if all(out[k] is obj[k] for k in obj) else t(out)
+        out = {
+            _prepare(k, f"{where}[{k!r}]", safe): _prepare(v, f"{where}[{k!r}]", safe)
+            for k, v in obj.items()
+        }
+        return (
+            out
+            if t is collections.defaultdict
+            else obj
+            if all(out[k] is obj[k] for k in obj)
+            else t(out)
+        )
     items = [_prepare(v, f"{where}[{i}]", safe) for i, v in enumerate(obj)]
     return obj if all(a is b for a, b in zip(items, obj)) else t(items)
 
@@ -131,13 +162,17 @@ class _HashingWriter:
         self._f.flush()
 
 
-def _write_durable(path: str, write: Callable[[_HashingWriter], object], created: list[str]) -> _HashingWriter:
+def _write_durable(
+    path: str, write: Callable[[_HashingWriter], object], created: list[str]
+) -> _HashingWriter:
     """Create ``path`` (never an existing one), fill it with ``write``, fsync it; return the hashing writer."""
     try:
         f = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb")
     except FileExistsError:
-        raise CheckpointError(f"temp file {path} exists: the same checkpoint is being written concurrently, "
-                              "or a crashed writer left it (see clean_temp_files)") from None
+        raise CheckpointError(
+            f"temp file {path} exists: the same checkpoint is being written concurrently, "
+            "or a crashed writer left it (see clean_temp_files)"
+        ) from None
     with f:
         created.append(path)
         w = _HashingWriter(f)
@@ -177,8 +212,16 @@ def _test_pause(stage: str) -> None:
     time.sleep(float(secs) if secs and (where or "publish") == stage else 0)
 
 
-def write_checkpoint(directory: str | os.PathLike[str], state: dict[str, Any], *, step: int, generation: int,
-                     rank: int = 0, meta: dict[str, Any], fence: Callable[[], None] | None = None) -> CheckpointInfo:
+def write_checkpoint(
+    directory: str | os.PathLike[str],
+    state: dict[str, Any],
+    *,
+    step: int,
+    generation: int,
+    rank: int = 0,
+    meta: dict[str, Any],
+    fence: Callable[[], None] | None = None,
+) -> CheckpointInfo:
     """Write ``state`` as a new checkpoint in ``directory``; return its description. ``state`` holds tensors,
     dicts/lists/tuples/sets, scalars, strings, dtypes, devices, ``add_safe_globals`` classes (numpy values become
     scalars/tensors, defaultdicts dicts); else :class:`CheckpointError` before writing. ``meta`` must be JSON-able
@@ -186,9 +229,13 @@ def write_checkpoint(directory: str | os.PathLike[str], state: dict[str, Any], *
     it raises, nothing is and its exception propagates as is. Any other failure raises :class:`CheckpointError`
     after removing all this call created; other checkpoints are never touched."""
     if not all(type(v) is int and v >= 0 for v in (step, generation, rank)):
-        raise CheckpointError(f"step, generation, rank must be non-negative ints: {step!r}, {generation!r}, {rank!r}")
+        raise CheckpointError(
+            f"step, generation, rank must be non-negative ints: {step!r}, {generation!r}, {rank!r}"
+        )
     if not isinstance(state, dict) or not isinstance(meta, dict):
-        raise CheckpointError(f"state and meta must be dicts, not {type(state).__name__}, {type(meta).__name__}")
+        raise CheckpointError(
+            f"state and meta must be dicts, not {type(state).__name__}, {type(meta).__name__}"
+        )
     path = os.path.join(os.fspath(directory), name := checkpoint_name(step, generation, rank))
     if os.path.lexists(path) or os.path.lexists(path + ".json"):
         raise CheckpointError(f"refusing to overwrite existing checkpoint {path}")
@@ -197,7 +244,9 @@ def write_checkpoint(directory: str | os.PathLike[str], state: dict[str, Any], *
         state = _prepare(state, "state", {g for g in safe if isinstance(g, type)})
         meta = json.loads(json.dumps(meta, default=_json_default, allow_nan=True))
     except RecursionError:
-        raise CheckpointError(f"state or meta for {name} contains a reference cycle (or is nested too deep)") from None
+        raise CheckpointError(
+            f"state or meta for {name} contains a reference cycle (or is nested too deep)"
+        ) from None
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"meta for {name} is not JSON-serialisable: {e}") from e
     tmp = os.path.join(os.fspath(directory), f"{TMP_PREFIX}{name}-{os.getpid()}")
@@ -208,12 +257,26 @@ def write_checkpoint(directory: str | os.PathLike[str], state: dict[str, Any], *
         hw = _write_durable(tmp, lambda w: torch.save(state, w), created)
         unsafe = _unsafe_globals(tmp)
         if unsafe:
-            raise UnsafeCheckpointError(f"{name} would need globals weights_only refuses: {sorted(unsafe)}")
-        info = CheckpointInfo(path=path, meta_path=path + ".json", step=step, generation=generation, rank=rank,
-                              sha256=hw.sha.hexdigest(), size=hw.size, meta=meta,
-                              created=datetime.datetime.now(datetime.timezone.utc).isoformat())
-        sidecar = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_FORMAT_VERSION, "file": name,
-                   **{k: v for k, v in dataclasses.asdict(info).items() if k not in ("path", "meta_path")}}
+            raise UnsafeCheckpointError(
+                f"{name} would need globals weights_only refuses: {sorted(unsafe)}"
+            )
+        info = CheckpointInfo(
+            path=path,
+            meta_path=path + ".json",
+            step=step,
+            generation=generation,
+            rank=rank,
+            sha256=hw.sha.hexdigest(),
+            size=hw.size,
+            meta=meta,
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        )
+        sidecar = {
+            "format": CHECKPOINT_FORMAT,
+            "version": CHECKPOINT_FORMAT_VERSION,
+            "file": name,
+            **{k: v for k, v in dataclasses.asdict(info).items() if k not in ("path", "meta_path")},
+        }
         text = json.dumps(sidecar, indent=1, sort_keys=True) + "\n"
         _write_durable(meta_tmp, lambda w: w.write(text.encode()), created)
         _test_pause("publish")
@@ -253,24 +316,49 @@ def _parse_sidecar(meta_path: str) -> CheckpointInfo:
         with open(meta_path, encoding="utf-8") as f:
             d = json.load(f)
     except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(f"sidecar {meta_path}: unreadable or malformed JSON: {e}") from e
+        raise CorruptCheckpointError(
+            f"sidecar {meta_path}: unreadable or malformed JSON: {e}"
+        ) from e
     d = d if isinstance(d, dict) else {}
     ints = all(type(d.get(k)) is int and d[k] >= 0 for k in ("step", "generation", "rank", "size"))
     name = checkpoint_name(d["step"], d["generation"], d["rank"]) if ints else "?"
-    problem = next((why for bad, why in (
-        (d.get("format") != CHECKPOINT_FORMAT, f"not a {CHECKPOINT_FORMAT} sidecar"),
-        (d.get("version") != CHECKPOINT_FORMAT_VERSION, f"unsupported format version {d.get('version')!r}"),
-        (not ints, "step, generation, rank or size is not a non-negative int"),
-        (not re.fullmatch(r"[0-9a-f]{64}", str(d.get("sha256"))), "field 'sha256' is not a sha256 hex digest"),
-        (not isinstance(d.get("meta"), dict), "field 'meta' is not an object"),
-        (d.get("file") != name or os.path.basename(meta_path) != name + ".json",
-         f"names {d.get('file')!r} but its fields describe {name}"),
-    ) if bad), None)
+    problem = next(
+        (
+            why
+            for bad, why in (
+                (d.get("format") != CHECKPOINT_FORMAT, f"not a {CHECKPOINT_FORMAT} sidecar"),
+                (
+                    d.get("version") != CHECKPOINT_FORMAT_VERSION,
+                    f"unsupported format version {d.get('version')!r}",
+                ),
+                (not ints, "step, generation, rank or size is not a non-negative int"),
+                (
+                    not re.fullmatch(r"[0-9a-f]{64}", str(d.get("sha256"))),
+                    "field 'sha256' is not a sha256 hex digest",
+                ),
+                (not isinstance(d.get("meta"), dict), "field 'meta' is not an object"),
+                (
+                    d.get("file") != name or os.path.basename(meta_path) != name + ".json",
+                    f"names {d.get('file')!r} but its fields describe {name}",
+                ),
+            )
+            if bad
+        ),
+        None,
+    )
     if problem:
         raise CorruptCheckpointError(f"sidecar {meta_path}: {problem}")
-    return CheckpointInfo(path=meta_path[: -len(".json")], meta_path=meta_path, step=d["step"],
-                          generation=d["generation"], rank=d["rank"], sha256=d["sha256"], size=d["size"],
-                          meta=d["meta"], created=str(d.get("created", "")))
+    return CheckpointInfo(
+        path=meta_path[: -len(".json")],
+        meta_path=meta_path,
+        step=d["step"],
+        generation=d["generation"],
+        rank=d["rank"],
+        sha256=d["sha256"],
+        size=d["size"],
+        meta=d["meta"],
+        created=str(d.get("created", "")),
+    )
 
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> CheckpointList:
@@ -292,7 +380,9 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> CheckpointList:
         try:
             info = _parse_sidecar(p)
             if (size := os.stat(info.path).st_size) != info.size:
-                raise CorruptCheckpointError(f"size mismatch: {info.path} has {size} bytes, sidecar says {info.size}")
+                raise CorruptCheckpointError(
+                    f"size mismatch: {info.path} has {size} bytes, sidecar says {info.size}"
+                )
             out.append(info)
         except CorruptCheckpointError as e:
             out.problems.append((p, str(e)))
@@ -303,13 +393,19 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> CheckpointList:
 
 
 @contextlib.contextmanager
-def _open_checked(path: str, sha256s: list[tuple[str, str]], size: int | None) -> Iterator[BinaryIO]:
+def _open_checked(
+    path: str, sha256s: list[tuple[str, str]], size: int | None
+) -> Iterator[BinaryIO]:
     """Open ``path``, hash it in 1 MiB chunks and yield it rewound (so what the caller reads is what was hashed);
     CorruptCheckpointError if it is missing, empty, or differs from ``size`` or any of ``sha256s``."""
     try:
         f = open(path, "rb")
-    except OSError as e:  # a missing file is a corrupt checkpoint; EACCES, EIO... are not the file's fault
-        raise (CorruptCheckpointError if isinstance(e, FileNotFoundError) else CheckpointError)(f"{path}: {e}") from e
+    except (
+        OSError
+    ) as e:  # a missing file is a corrupt checkpoint; EACCES, EIO... are not the file's fault
+        raise (CorruptCheckpointError if isinstance(e, FileNotFoundError) else CheckpointError)(
+            f"{path}: {e}"
+        ) from e
     with f:
         h, n = hashlib.sha256(), 0
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -318,10 +414,14 @@ def _open_checked(path: str, sha256s: list[tuple[str, str]], size: int | None) -
         if n == 0:
             raise CorruptCheckpointError(f"{path} is empty")
         if size is not None and n != size:
-            raise CorruptCheckpointError(f"{path}: size mismatch: {n} bytes, expected {size} (truncated?)")
+            raise CorruptCheckpointError(
+                f"{path}: size mismatch: {n} bytes, expected {size} (truncated?)"
+            )
         for source, want in sha256s:
             if h.hexdigest() != want.lower():
-                raise CorruptCheckpointError(f"{path}: sha256 mismatch: file {h.hexdigest()}, {source} {want}")
+                raise CorruptCheckpointError(
+                    f"{path}: sha256 mismatch: file {h.hexdigest()}, {source} {want}"
+                )
         f.seek(0)
         yield f
 
@@ -334,13 +434,21 @@ def verify(info: CheckpointInfo) -> None:
         try:
             unsafe = _unsafe_globals(f)
         except Exception as e:
-            raise CorruptCheckpointError(f"{info.path} is not a readable torch checkpoint: {e}") from e
+            raise CorruptCheckpointError(
+                f"{info.path} is not a readable torch checkpoint: {e}"
+            ) from e
     if unsafe:
-        raise UnsafeCheckpointError(f"{info.path} needs globals weights_only refuses: {sorted(unsafe)}")
+        raise UnsafeCheckpointError(
+            f"{info.path} needs globals weights_only refuses: {sorted(unsafe)}"
+        )
 
 
-def load_checkpoint(path_or_info: str | os.PathLike[str] | CheckpointInfo, *, expected_sha256: str | None = None,
-                    map_location: Any = "cpu") -> dict[str, Any]:
+def load_checkpoint(
+    path_or_info: str | os.PathLike[str] | CheckpointInfo,
+    *,
+    expected_sha256: str | None = None,
+    map_location: Any = "cpu",
+) -> dict[str, Any]:
     """Verify a checkpoint's size and sha256, then ``torch.load(weights_only=True)`` it. The checksum comes from
     the sidecar (the info given, or ``<path>.json``) and/or ``expected_sha256``: the file must match each; with none
     the load is refused. Hashing and loading read the same open file. Raises :class:`CorruptCheckpointError`
@@ -356,24 +464,37 @@ def load_checkpoint(path_or_info: str | os.PathLike[str] | CheckpointInfo, *, ex
     sha256s = [("sidecar", info.sha256)] if info is not None else []
     sha256s += [("expected_sha256", expected_sha256)] if expected_sha256 is not None else []
     if not sha256s:
-        raise CheckpointError(f"refusing to load {path}: no sidecar and no expected_sha256 to verify it against")
+        raise CheckpointError(
+            f"refusing to load {path}: no sidecar and no expected_sha256 to verify it against"
+        )
     with _open_checked(path, sha256s, info.size if info is not None else None) as f:
         try:
             state = torch.load(f, weights_only=True, map_location=map_location, mmap=False)
-        except pickle.UnpicklingError as e:  # torch's message advises weights_only=False: keep only the why
+        except (
+            pickle.UnpicklingError
+        ) as e:  # torch's message advises weights_only=False: keep only the why
             why = re.search(r"WeightsUnpickler error: ([^\n]*)", str(e))
-            raise UnsafeCheckpointError(f"{path} was refused by the weights-only unpickler (it needs code "
-                                        f"execution to load; nothing was run): {why[1] if why else e}") from e
+            raise UnsafeCheckpointError(
+                f"{path} was refused by the weights-only unpickler (it needs code "
+                f"execution to load; nothing was run): {why[1] if why else e}"
+            ) from e
         except Exception as e:
-            raise CorruptCheckpointError(f"{path} cannot be deserialised: {type(e).__name__}: {e}") from e
+            raise CorruptCheckpointError(
+                f"{path} cannot be deserialised: {type(e).__name__}: {e}"
+            ) from e
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{path} holds a {type(state).__qualname__}, not a state dict")
     return state
 
 
-def select_checkpoint(infos: list[CheckpointInfo], *, min_grade: int, before_step: int | None,
-                      min_steps_back: int = 0, verify_fn: Callable[[CheckpointInfo], None] = verify,
-                      ) -> tuple[CheckpointInfo | None, list[tuple[CheckpointInfo, str]]]:
+def select_checkpoint(
+    infos: list[CheckpointInfo],
+    *,
+    min_grade: int,
+    before_step: int | None,
+    min_steps_back: int = 0,
+    verify_fn: Callable[[CheckpointInfo], None] = verify,
+) -> tuple[CheckpointInfo | None, list[tuple[CheckpointInfo, str]]]:
     """The newest (step, then generation) checkpoint with grade >= ``min_grade`` (ungraded never qualify), step <=
     ``before_step - min_steps_back`` (no bound if ``before_step`` is None) and passing ``verify_fn`` (a
     :class:`CheckpointError` from it falls back to older ones; other errors propagate); plus ``[(skipped, reason)]``
@@ -385,10 +506,21 @@ def select_checkpoint(infos: list[CheckpointInfo], *, min_grade: int, before_ste
     skipped: list[tuple[CheckpointInfo, str]] = []
     for info in sorted(infos, key=lambda i: (i.step, i.generation, i.rank, i.path), reverse=True):
         if limit is not None and info.step > limit:
-            skipped.append((info, f"step {info.step} > {limit} = before_step - min_steps_back {min_steps_back}"))
+            skipped.append(
+                (
+                    info,
+                    f"step {info.step} > {limit} = before_step - min_steps_back {min_steps_back}",
+                )
+            )
         elif info.grade is None or info.grade < min_grade:
-            skipped.append((info, f"grade {info.grade} < min_grade {min_grade}" if info.grade is not None
-                            else "ungraded (no integer 'grade' in meta)"))
+            skipped.append(
+                (
+                    info,
+                    f"grade {info.grade} < min_grade {min_grade}"
+                    if info.grade is not None
+                    else "ungraded (no integer 'grade' in meta)",
+                )
+            )
         else:
             try:
                 verify_fn(info)

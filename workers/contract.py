@@ -66,6 +66,7 @@ them back).
                 (sent with the next message that gets through).
 ``done``        the training loop finished normally (:meth:`Session.close`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -84,12 +85,25 @@ ENV_SAMPLE_EVERY = "SPIKEGUARD_SAMPLE_EVERY"
 ENV_FENCE_FILE = "SPIKEGUARD_FENCE_FILE"
 
 MESSAGE_TYPES = (
-    "hello", "heartbeat", "report", "checkpoint", "resumed", "skipped", "dropped", "done",
+    "hello",
+    "heartbeat",
+    "report",
+    "checkpoint",
+    "resumed",
+    "skipped",
+    "dropped",
+    "done",
 )
 
 SIGNALS = (
-    "erank_ratio", "grade", "attn_entropy_mean", "attn_entropy_min",
-    "attn_entropy_min_norm", "max_logit", "logz_mean", "logz_max",
+    "erank_ratio",
+    "grade",
+    "attn_entropy_mean",
+    "attn_entropy_min",
+    "attn_entropy_min_norm",
+    "max_logit",
+    "logz_mean",
+    "logz_max",
 )
 
 
@@ -118,7 +132,7 @@ class ResumePlan:
         return json.dumps(d, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "ResumePlan":
+    def from_json(cls, text: str) -> ResumePlan:
         d: dict[str, Any] = json.loads(text)
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
@@ -127,7 +141,7 @@ class ResumePlan:
         return cls(**d)
 
     @classmethod
-    def from_env(cls) -> "ResumePlan | None":
+    def from_env(cls) -> ResumePlan | None:
         path = os.environ.get(ENV_RESUME)
         if not path:
             return None

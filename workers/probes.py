@@ -46,22 +46,30 @@ matching modules only (a module whose ancestor already matched is skipped), so
 ``lm_head`` (default ``*lm_head*``, ``*head``)
     ``logz_mean`` and ``logz_max`` of the output logits (all positions).
 """
+
 from __future__ import annotations
 
 import contextlib
 import fnmatch
-from collections.abc import Iterable, Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from . import signals
 
-__all__ = ["Probes", "record_qk", "DEFAULT_RESIDUAL", "DEFAULT_ATTENTION", "DEFAULT_LM_HEAD"]
+__all__ = ["DEFAULT_ATTENTION", "DEFAULT_LM_HEAD", "DEFAULT_RESIDUAL", "Probes", "record_qk"]
 
 DEFAULT_RESIDUAL: tuple[str, ...] = ("*blocks.*", "*layers.*", "h.*", "*.h.*", "*decoder.layers.*")
-DEFAULT_ATTENTION: tuple[str, ...] = ("*.attn", "*.attention", "*.self_attn", "attn", "attention", "self_attn")
+DEFAULT_ATTENTION: tuple[str, ...] = (
+    "*.attn",
+    "*.attention",
+    "*.self_attn",
+    "attn",
+    "attention",
+    "self_attn",
+)
 DEFAULT_LM_HEAD: tuple[str, ...] = ("*lm_head*", "*head")
 
 _QK_PAIRS = (("q_proj", "k_proj"), ("query", "key"), ("wq", "wk"), ("to_q", "to_k"))
@@ -70,12 +78,18 @@ _HEADS = ("n_head", "num_heads", "n_heads", "num_attention_heads")
 _KV_HEADS = ("n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
 _HEAD_DIM = ("head_dim", "head_size", "attention_head_size")
 
-_ARMED: list["Probes"] = []
+_ARMED: list[Probes] = []
 """Probes currently armed; :func:`record_qk` returns at once while it is empty."""
 
 
-def record_qk(module: nn.Module, q: torch.Tensor, k: torch.Tensor, *,
-              causal: bool | None = None, scale: float | None = None) -> None:
+def record_qk(
+    module: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool | None = None,
+    scale: float | None = None,
+) -> None:
     """Hand the SDPA inputs of ``module`` (``[batch, heads, seq, head_dim]``) to every armed Probes.
 
     A no-op (one list test) when nothing is armed. ``causal``/``scale`` default to
@@ -87,7 +101,9 @@ def record_qk(module: nn.Module, q: torch.Tensor, k: torch.Tensor, *,
         probes.record_qk(module, q, k, causal=causal, scale=scale)
 
 
-def _select(named: list[tuple[str, nn.Module]], patterns: Iterable[str]) -> list[tuple[str, nn.Module]]:
+def _select(
+    named: list[tuple[str, nn.Module]], patterns: Iterable[str]
+) -> list[tuple[str, nn.Module]]:
     """Outermost modules whose name matches one of ``patterns`` (pre-order, root excluded)."""
     pats = tuple(patterns)
     chosen: list[tuple[str, nn.Module]] = []
@@ -124,12 +140,22 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
 class _AttnSpec:
     """How to get Q and K of one attention module from its projections."""
 
-    def __init__(self, name: str, owner: nn.Module, q: nn.Module, k: nn.Module | None,
-                 heads: int | None, kv_heads: int | None, head_dim: int | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        owner: nn.Module,
+        q: nn.Module,
+        k: nn.Module | None,
+        heads: int | None,
+        kv_heads: int | None,
+        head_dim: int | None,
+    ) -> None:
         self.name, self.owner, self.q, self.k = name, owner, q, k
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
 
-    def _dims(self, q_width: int, k_width: int | None, fused_width: int | None) -> tuple[int, int, int]:
+    def _dims(
+        self, q_width: int, k_width: int | None, fused_width: int | None
+    ) -> tuple[int, int, int]:
         """(heads, kv_heads, head_dim) for the observed widths; ValueError if inconsistent."""
         h, hk, d = self.heads, self.kv_heads, self.head_dim
         if fused_width is not None:
@@ -139,28 +165,39 @@ class _AttnSpec:
                 h = hk = fused_width // (3 * d)
             hk = hk or h
             if not (h and d and d * (h + 2 * hk) == fused_width):
-                raise ValueError(f"cannot split fused qkv of width {fused_width} (heads={h}, kv_heads={hk})")
+                raise ValueError(
+                    f"cannot split fused qkv of width {fused_width} (heads={h}, kv_heads={hk})"
+                )
             return h, hk, d
         if d is None and h is not None and q_width % h == 0:
             d = q_width // h
         if d is None or q_width % d or k_width is None or k_width % d:
-            raise ValueError(f"cannot split q width {q_width} / k width {k_width} into heads (head_dim={d})")
+            raise ValueError(
+                f"cannot split q width {q_width} / k width {k_width} into heads (head_dim={d})"
+            )
         return q_width // d, k_width // d, d
 
-    def qk(self, q_out: torch.Tensor, k_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk(
+        self, q_out: torch.Tensor, k_out: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reshape projection output(s) to SDPA layout ``[batch, heads, seq, head_dim]``."""
         if q_out.ndim == 2:
             q_out = q_out.unsqueeze(0)
             k_out = None if k_out is None else k_out.unsqueeze(0)
         if q_out.ndim != 3 or (k_out is not None and k_out.ndim != 3):
-            raise ValueError(f"expected projection outputs [batch, seq, width], got {tuple(q_out.shape)}")
+            raise ValueError(
+                f"expected projection outputs [batch, seq, width], got {tuple(q_out.shape)}"
+            )
         if k_out is None:  # fused [q | k | v]
             h, hk, d = self._dims(0, None, q_out.shape[-1])
-            q_out, k_out = q_out[..., : h * d], q_out[..., h * d: (h + hk) * d]
+            q_out, k_out = q_out[..., : h * d], q_out[..., h * d : (h + hk) * d]
         else:
             h, hk, d = self._dims(q_out.shape[-1], k_out.shape[-1], None)
         b, t = q_out.shape[:2]
-        return (q_out.reshape(b, t, h, d).transpose(1, 2), k_out.reshape(b, k_out.shape[1], hk, d).transpose(1, 2))
+        return (
+            q_out.reshape(b, t, h, d).transpose(1, 2),
+            k_out.reshape(b, k_out.shape[1], hk, d).transpose(1, 2),
+        )
 
 
 def _attn_spec(name: str, module: nn.Module) -> _AttnSpec | None:
@@ -169,7 +206,11 @@ def _attn_spec(name: str, module: nn.Module) -> _AttnSpec | None:
         children = dict(sub.named_children())
         full = f"{name}.{sub_name}" if sub_name else name
         mods = (sub, module)
-        heads, kv, hd = _first_int(mods, _HEADS), _first_int(mods, _KV_HEADS), _first_int(mods, _HEAD_DIM)
+        heads, kv, hd = (
+            _first_int(mods, _HEADS),
+            _first_int(mods, _KV_HEADS),
+            _first_int(mods, _HEAD_DIM),
+        )
         for qn, kn in _QK_PAIRS:
             if qn in children and kn in children:
                 return _AttnSpec(full, sub, children[qn], children[kn], heads, kv, hd)
@@ -215,8 +256,18 @@ class Probes:
             if isinstance(pats, str):
                 raise TypeError(f"patterns must be an iterable of strings, not the string {pats!r}")
         signals.grade_of(1.0, thresholds)  # validates the thresholds
-        self.k, self.max_rows, self.max_queries, self.max_batch = k, max_rows, max_queries, max_batch
-        self.causal, self.thresholds, self.seed, self.strict = causal, tuple(thresholds), seed, strict
+        self.k, self.max_rows, self.max_queries, self.max_batch = (
+            k,
+            max_rows,
+            max_queries,
+            max_batch,
+        )
+        self.causal, self.thresholds, self.seed, self.strict = (
+            causal,
+            tuple(thresholds),
+            seed,
+            strict,
+        )
         self.compute_calls = 0
         """How many times a heavy probe computation ran (for tests and overhead accounting)."""
         self.errors: list[str] = []
@@ -235,8 +286,11 @@ class Probes:
         blocks = _select(named, residual)
         attns = _select(named, attention)
         taken = [n for n, _ in blocks] + [n for n, _ in attns]
-        heads = [(n, m) for n, m in _select(named, lm_head)
-                 if not any(n == t or n.startswith(t + ".") for t in taken)]
+        heads = [
+            (n, m)
+            for n, m in _select(named, lm_head)
+            if not any(n == t or n.startswith(t + ".") for t in taken)
+        ]
         self.residual_names = [n for n, _ in blocks]
         self.lm_head_names = [n for n, _ in heads]
         self.attention_names: list[str] = []
@@ -279,7 +333,7 @@ class Probes:
         self._done.clear()
         self._pending.clear()
         self._step = self._last_step = step
-        self._gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % (2 ** 63))
+        self._gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % (2**63))
         if self not in _ARMED:
             _ARMED.append(self)
 
@@ -292,7 +346,7 @@ class Probes:
             _ARMED.remove(self)
 
     @contextlib.contextmanager
-    def sampling(self, step: int) -> Iterator["Probes"]:
+    def sampling(self, step: int) -> Iterator[Probes]:
         """``with probes.sampling(step): model(x)`` arms for the block and disarms after it."""
         self.arm(step)
         try:
@@ -313,8 +367,15 @@ class Probes:
         self._handles.clear()
 
     # -- explicit Q/K -------------------------------------------------------------------
-    def record_qk(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, *,
-                  causal: bool | None = None, scale: float | None = None) -> None:
+    def record_qk(
+        self,
+        module: nn.Module,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        causal: bool | None = None,
+        scale: float | None = None,
+    ) -> None:
         """Attention signals of ``module`` from its SDPA inputs; no-op unless armed (see :func:`record_qk`)."""
         if self._step is None:
             return
@@ -351,6 +412,7 @@ class Probes:
             x = _first_tensor(output)
             if x is not None and x.ndim >= 2:
                 self._run(name, "residual", lambda: self._residual(x))
+
         return hook
 
     def _lm_head_hook(self, name: str) -> Callable[..., None]:
@@ -360,11 +422,16 @@ class Probes:
             x = _first_tensor(output)
             if x is not None:
                 self._run(name, "lm_head", lambda: signals.logz_stats(x))
+
         return hook
 
     def _proj_hook(self, spec: _AttnSpec, part: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._step is None or spec.name in self._explicit or (spec.name, "attention") in self._done:
+            if (
+                self._step is None
+                or spec.name in self._explicit
+                or (spec.name, "attention") in self._done
+            ):
                 return
             x = _first_tensor(output)
             if x is None:
@@ -376,7 +443,12 @@ class Probes:
             pending[part] = x.detach()
             if "q" in pending and "k" in pending:
                 del self._pending[spec.name]
-                self._run(spec.name, "attention", lambda: self._attention(*spec.qk(pending["q"], pending["k"])))
+                self._run(
+                    spec.name,
+                    "attention",
+                    lambda: self._attention(*spec.qk(pending["q"], pending["k"])),
+                )
+
         return hook
 
     # -- computations -------------------------------------------------------------------
@@ -389,10 +461,21 @@ class Probes:
             ratio = signals.effective_rank_ratio(flat, self.k)
         return {"erank_ratio": ratio, "grade": signals.grade_of(ratio, self.thresholds)}
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, *, causal: bool | None = None,
-                   scale: float | None = None) -> dict[str, float]:
+    def _attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        causal: bool | None = None,
+        scale: float | None = None,
+    ) -> dict[str, float]:
         stats = signals.attention_stats(
-            q[: self.max_batch], k[: self.max_batch], causal=self.causal if causal is None else causal,
-            max_queries=self.max_queries, generator=self._gen, scale=scale)
+            q[: self.max_batch],
+            k[: self.max_batch],
+            causal=self.causal if causal is None else causal,
+            max_queries=self.max_queries,
+            generator=self._gen,
+            scale=scale,
+        )
         stats.pop("head_entropy")
         return stats  # type: ignore[return-value]

@@ -22,6 +22,7 @@ Probes are armed for the *next* step when that step is a sampled one, so
 the forward hooks do their work during that step's forward pass and
 ``step()`` collects the result; on other steps the hooks return at once.
 """
+
 from __future__ import annotations
 
 import collections
@@ -29,7 +30,8 @@ import math
 import os
 import socket
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -55,7 +57,13 @@ def _num(x: Any) -> float | None:
 def summarize(layers: dict[str, dict[str, float]]) -> dict[str, Any]:
     """Aggregate per-layer signals: grades/ratios/entropies by min, logits/log Z by max."""
     out: dict[str, Any] = {}
-    mins = ("grade", "erank_ratio", "attn_entropy_mean", "attn_entropy_min", "attn_entropy_min_norm")
+    mins = (
+        "grade",
+        "erank_ratio",
+        "attn_entropy_mean",
+        "attn_entropy_min",
+        "attn_entropy_min_norm",
+    )
     maxs = ("max_logit", "logz_mean", "logz_max")
     for name in mins + maxs:
         vals = [v[name] for v in layers.values() if isinstance(v.get(name), (int, float))]
@@ -100,19 +108,33 @@ class Session:
         self.plan = contract.ResumePlan.from_env()
         self.lr_scale = 1.0
         self.probes = Probes(model, **(probe_patterns or {}))
-        self.batch_ids: collections.deque[tuple[int, Any]] = collections.deque(maxlen=batch_ids_window)
+        self.batch_ids: collections.deque[tuple[int, Any]] = collections.deque(
+            maxlen=batch_ids_window
+        )
         self._step = 0
         self._last_loss: float | None = None
         self._last_sample: dict[str, Any] | None = None
         self._hook_handles: list[Any] = []
-        self._send("hello", world_size=self.world_size, pid=os.getpid(), host=socket.gethostname(),
-                   sample_every=self.sample_every)
+        self._send(
+            "hello",
+            world_size=self.world_size,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            sample_every=self.sample_every,
+        )
         self._arm(0)
 
     # -- messages -----------------------------------------------------------------------
     def _send(self, type_: str, step: int | None = None, **fields: Any) -> bool:
-        msg = {"v": contract.FORMAT_VERSION, "type": type_, "run": self.run_id, "gen": self.generation,
-               "rank": self.rank, "step": self._step if step is None else step, "t": time.time()}
+        msg = {
+            "v": contract.FORMAT_VERSION,
+            "type": type_,
+            "run": self.run_id,
+            "gen": self.generation,
+            "rank": self.rank,
+            "step": self._step if step is None else step,
+            "t": time.time(),
+        }
         msg.update(fields)
         return self.channel.send(msg)
 
@@ -123,8 +145,16 @@ class Session:
             self.probes.disarm()
 
     # -- per step ------------------------------------------------------------------------
-    def step(self, *, step: int | None = None, loss: Any = None, grad_norm: Any = None,
-             lr: float | None = None, batch_ids: Any = None, extra: dict[str, Any] | None = None) -> None:
+    def step(
+        self,
+        *,
+        step: int | None = None,
+        loss: Any = None,
+        grad_norm: Any = None,
+        lr: float | None = None,
+        batch_ids: Any = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         """Record one finished training step: a heartbeat, and a full report on sampled steps.
 
         Never blocks on I/O. ``loss``/``grad_norm`` may be floats or scalar tensors
@@ -141,10 +171,14 @@ class Session:
         if extra:
             fields["extra"] = extra
         if self.probes.armed_step == s:
-            layers = self.probes.collect()  # the _arm() below disarms (or re-arms for the next step)
+            layers = (
+                self.probes.collect()
+            )  # the _arm() below disarms (or re-arms for the next step)
             summary = summarize(layers)
             self._last_sample = {"step": s, "layers": layers, "summary": summary, "loss": loss_f}
-            self._send("report", step=s, layers=layers, summary=summary, lr_scale=self.lr_scale, **fields)
+            self._send(
+                "report", step=s, layers=layers, summary=summary, lr_scale=self.lr_scale, **fields
+            )
         else:
             self._send("heartbeat", step=s, **fields)
         self._step = s + 1
@@ -178,9 +212,12 @@ class Session:
         if current > self.generation:
             raise StaleGenerationError(
                 f"rank {self.rank} of generation {self.generation} was fenced "
-                f"(current generation {current}); checkpoint refused")
+                f"(current generation {current}); checkpoint refused"
+            )
 
-    def save_checkpoint(self, state: dict[str, Any], *, step: int, **meta: Any) -> ckpt.CheckpointInfo:
+    def save_checkpoint(
+        self, state: dict[str, Any], *, step: int, **meta: Any
+    ) -> ckpt.CheckpointInfo:
         """Atomically write ``state`` with the grade metadata of the latest sample.
 
         The metadata records the per-layer grades/signals of the most recent
@@ -188,25 +225,49 @@ class Session:
         generation. Refused with :class:`StaleGenerationError` if fenced.
         """
         if not self.ckpt_dir:
-            raise ValueError("no checkpoint directory: pass ckpt_dir= to attach() or set SPIKEGUARD_CKPT_DIR")
+            raise ValueError(
+                "no checkpoint directory: pass ckpt_dir= to attach() or set SPIKEGUARD_CKPT_DIR"
+            )
         self._check_fence()
         os.makedirs(self.ckpt_dir, exist_ok=True)
         sample = self._last_sample or {}
         summary = sample.get("summary", {})
         grade = summary.get("grade")
         full_meta = {
-            "loss": self._last_loss, "grade": None if grade is None else int(grade),
-            "signals_step": sample.get("step"), "summary": summary, "layers": sample.get("layers", {}),
-            "lr_scale": self.lr_scale, "run": self.run_id, **meta,
+            "loss": self._last_loss,
+            "grade": None if grade is None else int(grade),
+            "signals_step": sample.get("step"),
+            "summary": summary,
+            "layers": sample.get("layers", {}),
+            "lr_scale": self.lr_scale,
+            "run": self.run_id,
+            **meta,
         }
-        info = ckpt.write_checkpoint(self.ckpt_dir, state, step=step, generation=self.generation,
-                                     rank=self.rank, meta=full_meta, fence=self._check_fence)
-        self._send("checkpoint", step=step, path=info.path, sha256=info.sha256, grade=full_meta["grade"],
-                   loss=self._last_loss)
+        info = ckpt.write_checkpoint(
+            self.ckpt_dir,
+            state,
+            step=step,
+            generation=self.generation,
+            rank=self.rank,
+            meta=full_meta,
+            fence=self._check_fence,
+        )
+        self._send(
+            "checkpoint",
+            step=step,
+            path=info.path,
+            sha256=info.sha256,
+            grade=full_meta["grade"],
+            loss=self._last_loss,
+        )
         return info
 
-    def resume(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-               scheduler: Any = None) -> int:
+    def resume(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+    ) -> int:
         """Apply the supervisor's plan for this launch; returns the step to start from.
 
         Loads the chosen checkpoint (checksum verified, ``weights_only=True``),
@@ -225,14 +286,27 @@ class Session:
                 optimizer.load_state_dict(state["optimizer"])
             if scheduler is not None and "scheduler" in state:
                 scheduler.load_state_dict(state["scheduler"])
-            start = int(state.get("step", plan.checkpoint_step if plan.checkpoint_step is not None else -1)) + 1
+            start = (
+                int(
+                    state.get(
+                        "step", plan.checkpoint_step if plan.checkpoint_step is not None else -1
+                    )
+                )
+                + 1
+            )
         if optimizer is not None:
             self._install_lr_scale(optimizer, plan.lr_scale)
         self._step = start
         self._arm(start)
-        self._send("resumed", step=start, from_step=start, checkpoint=plan.checkpoint,
-                   lr_scale=self.lr_scale, optimizer_reset=bool(plan.reset_optimizer and optimizer is not None),
-                   skip_ranges=[list(r) for r in plan.skip_ranges])
+        self._send(
+            "resumed",
+            step=start,
+            from_step=start,
+            checkpoint=plan.checkpoint,
+            lr_scale=self.lr_scale,
+            optimizer_reset=bool(plan.reset_optimizer and optimizer is not None),
+            skip_ranges=[list(r) for r in plan.skip_ranges],
+        )
         return start
 
     def _install_lr_scale(self, optimizer: torch.optim.Optimizer, scale: float) -> None:
@@ -250,7 +324,10 @@ class Session:
             for g, lr in zip(opt.param_groups, saved):
                 g["lr"] = lr
 
-        self._hook_handles += [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        self._hook_handles += [
+            optimizer.register_step_pre_hook(pre),
+            optimizer.register_step_post_hook(post),
+        ]
 
     def close(self, timeout: float = 5.0) -> None:
         """Say ``done``, flush the channel and remove hooks."""
@@ -284,5 +361,13 @@ def attach(
         batch_ids_window: how many steps of ``batch_ids`` to keep for forensics.
         queue_size: bound of the report queue; beyond it messages are dropped and counted.
     """
-    return Session(model, report=report, sample_every=sample_every, ckpt_dir=ckpt_dir, run_id=run_id,
-                   probe_patterns=probe_patterns, batch_ids_window=batch_ids_window, queue_size=queue_size)
+    return Session(
+        model,
+        report=report,
+        sample_every=sample_every,
+        ckpt_dir=ckpt_dir,
+        run_id=run_id,
+        probe_patterns=probe_patterns,
+        batch_ids_window=batch_ids_window,
+        queue_size=queue_size,
+    )

@@ -38,6 +38,7 @@ Three ways to get the singular values (``method=``), picked by shape in
   probes sample at most 2048 rows, so they never take this path, which is there
   for callers that pass bigger matrices.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,10 +47,22 @@ from typing import Literal
 import torch
 
 __all__ = [
-    "Method", "SVD_MAX_DIM", "GRAM_MAX_DIM", "LOWRANK_OVERSAMPLE", "LOWRANK_DEPTH",
-    "ZERO_RTOL", "DEFAULT_THRESHOLDS", "choose_method", "top_singular_values",
-    "effective_rank", "effective_rank_ratio", "grade_of", "format_grade", "parse_grade",
-    "attention_stats", "logz_stats",
+    "DEFAULT_THRESHOLDS",
+    "GRAM_MAX_DIM",
+    "LOWRANK_DEPTH",
+    "LOWRANK_OVERSAMPLE",
+    "SVD_MAX_DIM",
+    "ZERO_RTOL",
+    "Method",
+    "attention_stats",
+    "choose_method",
+    "effective_rank",
+    "effective_rank_ratio",
+    "format_grade",
+    "grade_of",
+    "logz_stats",
+    "parse_grade",
+    "top_singular_values",
 ]
 
 Method = Literal["auto", "svd", "gram", "lowrank"]
@@ -230,7 +243,9 @@ def _query_rows(
     if generator is None:  # evenly spaced; never touches the global RNG
         idx = torch.linspace(0, seq - 1, max_queries).round().long()
     else:
-        picked = torch.randperm(seq - 1, generator=generator, device=generator.device)[: max_queries - 1]
+        picked = torch.randperm(seq - 1, generator=generator, device=generator.device)[
+            : max_queries - 1
+        ]
         idx = torch.cat([picked.cpu(), torch.tensor([seq - 1])])
     return idx.unique().to(device)  # unique() also sorts
 
@@ -265,7 +280,9 @@ def attention_stats(
     every value is NaN, no exception.
     """
     if q.ndim != 4 or k.ndim != 4:
-        raise ValueError(f"q and k must be [batch, heads, seq, head_dim], got {tuple(q.shape)} and {tuple(k.shape)}")
+        raise ValueError(
+            f"q and k must be [batch, heads, seq, head_dim], got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
     b, hq, sq, dim = q.shape
     bk, hk, sk, dk = k.shape
     if bk != b or dk != dim or hk < 1 or hq % hk != 0 or sq < 1 or sk < 1:
@@ -276,13 +293,22 @@ def attention_stats(
         q, k = q.detach(), k.detach()
         if not (bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all())):
             nan = float("nan")
-            return {"attn_entropy_mean": nan, "attn_entropy_min": nan, "attn_entropy_min_norm": nan,
-                    "max_logit": nan, "head_entropy": [nan] * hq}
+            return {
+                "attn_entropy_mean": nan,
+                "attn_entropy_min": nan,
+                "attn_entropy_min_norm": nan,
+                "max_logit": nan,
+                "head_entropy": [nan] * hq,
+            }
         rows = _query_rows(sq, max_queries, generator, q.device)
         qs = q.index_select(2, rows).float()
         group = hq // hk
-        logits = qs.reshape(b, hk, group, rows.numel(), dim) @ k.float().unsqueeze(2).transpose(-1, -2)
-        logits = logits.reshape(b, hq, rows.numel(), sk) * (scale if scale is not None else dim ** -0.5)
+        logits = qs.reshape(b, hk, group, rows.numel(), dim) @ k.float().unsqueeze(2).transpose(
+            -1, -2
+        )
+        logits = logits.reshape(b, hq, rows.numel(), sk) * (
+            scale if scale is not None else dim**-0.5
+        )
         keys = torch.arange(sk, device=q.device)
         if causal:
             visible = keys[None, :] <= rows[:, None]  # [rows, sk]
@@ -293,7 +319,11 @@ def attention_stats(
         head_entropy = torch.special.entr(probs).sum(-1).mean(dim=(0, 2))  # [hq]
         mean_log_keys = visible.sum(-1).to(_wide_dtype(q.device)).log().mean()
         ent_min = head_entropy.min()
-        norm = ent_min.to(mean_log_keys.dtype) / mean_log_keys if float(mean_log_keys) > 0 else torch.tensor(1.0)
+        norm = (
+            ent_min.to(mean_log_keys.dtype) / mean_log_keys
+            if float(mean_log_keys) > 0
+            else torch.tensor(1.0)
+        )
         return {
             "attn_entropy_mean": float(head_entropy.mean().item()),
             "attn_entropy_min": float(ent_min.item()),
@@ -311,10 +341,15 @@ def logz_stats(logits: torch.Tensor, *, chunk_elements: int = 1 << 26) -> dict[s
     NaN anywhere gives NaN out (an infinite logit gives an infinite log Z); no exception.
     """
     if logits.ndim == 0 or logits.numel() == 0:
-        raise ValueError(f"logits must be a non-empty [..., vocab] tensor, got shape {tuple(logits.shape)}")
+        raise ValueError(
+            f"logits must be a non-empty [..., vocab] tensor, got shape {tuple(logits.shape)}"
+        )
     with torch.no_grad():
         flat = logits.detach().reshape(-1, logits.shape[-1])
         step = max(1, chunk_elements // flat.shape[1])
-        parts = [torch.logsumexp(flat[i:i + step].float(), dim=-1) for i in range(0, flat.shape[0], step)]
+        parts = [
+            torch.logsumexp(flat[i : i + step].float(), dim=-1)
+            for i in range(0, flat.shape[0], step)
+        ]
         logz = torch.cat(parts)
         return {"logz_mean": float(logz.mean().item()), "logz_max": float(logz.max().item())}

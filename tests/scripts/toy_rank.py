@@ -21,6 +21,7 @@ the step this generation started at. Modes:
 ``finish``       exit 0 before the step; from that step on no rank uses collectives (uneven data)
 ``slow``         from this step on sleep ``--slow-sleep`` seconds per step (a straggler)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +30,9 @@ import signal
 import sys
 import time
 
+import spikeguard.workers as sgw
 import torch
 import torch.distributed as dist
-
-import spikeguard.workers as sgw
 from spikeguard.examples.model import GPT
 
 
@@ -69,27 +69,37 @@ def write_garbage(gen: int) -> None:
         return
     rank = int(os.environ.get("RANK", 0))
     ok = {"v": 1, "type": "heartbeat", "run": "toy", "gen": gen, "rank": rank, "step": 1, "t": 0.0}
-    lines = [b"this is not json", b"[1, 2, 3]", b"\xff\xfe\x00garbage", b'{"v": 1, "type": "heartbeat", "ste',
-             json.dumps({**ok, "v": 99}).encode(), json.dumps({**ok, "type": "bogus"}).encode(),
-             json.dumps({**ok, "step": "ten"}).encode(), json.dumps({**ok, "loss": "NaN"}).encode(),
-             json.dumps({**ok, "rank": rank + 7}).encode(), json.dumps({**ok, "gen": gen - 1}).encode(),
-             b"x" * ((1 << 20) + 100)]
+    lines = [
+        b"this is not json",
+        b"[1, 2, 3]",
+        b"\xff\xfe\x00garbage",
+        b'{"v": 1, "type": "heartbeat", "ste',
+        json.dumps({**ok, "v": 99}).encode(),
+        json.dumps({**ok, "type": "bogus"}).encode(),
+        json.dumps({**ok, "step": "ten"}).encode(),
+        json.dumps({**ok, "loss": "NaN"}).encode(),
+        json.dumps({**ok, "rank": rank + 7}).encode(),
+        json.dumps({**ok, "gen": gen - 1}).encode(),
+        b"x" * ((1 << 20) + 100),
+    ]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.connect(addr[len("unix://"):])
+        s.connect(addr[len("unix://") :])
         s.sendall(b"\n".join(lines) + b"\n")
 
 
-def zombie(sg: "sgw.Session", model: torch.nn.Module, step: int) -> None:
+def zombie(sg: sgw.Session, model: torch.nn.Module, step: int) -> None:
     """Freeze; once continued, behave like a rank that outlived its generation and keeps training."""
     out = os.environ.get("SG_ZOMBIE_OUT", os.devnull)
     os.kill(os.getpid(), signal.SIGSTOP)
     for i in range(1, 10**6):
         try:
-            info = sg.save_checkpoint({"model": model.state_dict(), "step": step + i}, step=step + i)
+            info = sg.save_checkpoint(
+                {"model": model.state_dict(), "step": step + i}, step=step + i
+            )
             what = f"written {info.path}"
         except sgw.StaleGenerationError as e:
             what = f"refused {e}"
-        except Exception as e:  # noqa: BLE001 - record whatever happened
+        except Exception as e:
             what = f"error {type(e).__name__}: {e}"
         with open(out, "a") as f:
             f.write(f"{os.getpid()} {what}\n")
@@ -164,11 +174,19 @@ def main() -> int:
         opt.zero_grad(set_to_none=True)
         adam_steps = int(next(iter(opt.state.values()))["step"]) if opt.state else 0
         rep_loss = float("nan") if nan else (loss.item() * (10.0 if collapsing else 1.0))
-        sg.step(step=step, loss=rep_loss, grad_norm=gn, lr=args.lr, batch_ids=[step, rank],
-                extra={"adam_steps": adam_steps, "gen": gen})
+        sg.step(
+            step=step,
+            loss=rep_loss,
+            grad_norm=gn,
+            lr=args.lr,
+            batch_ids=[step, rank],
+            extra={"adam_steps": adam_steps, "gen": gen},
+        )
         if rank == 0 and args.ckpt_every and step > 0 and step % args.ckpt_every == 0:
-            sg.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
-                               step=step)
+            sg.save_checkpoint(
+                {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                step=step,
+            )
         if mode == "zombie":
             zombie(sg, model, step)
         if args.step_sleep:
