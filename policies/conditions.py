@@ -14,10 +14,11 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+from spikeguard.workers.contract.signals import LAYER_SIGNALS
 
 from . import expr
 from .base import _Model
-from .values import LAYER_SIGNALS, DurationOf, Signal, fail, finite, parse_grade, show, suggest
+from .values import DurationOf, Signal, fail, finite, parse_grade, show, suggest
 
 # --- conditions ---------------------------------------------------------------------------
 

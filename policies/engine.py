@@ -39,9 +39,11 @@ import math
 from collections.abc import Iterable
 from typing import Any, Literal
 
+from spikeguard.workers.contract.signals import LAYER_SIGNALS
+
 from .evaluate import Context, Hit, Message, Series, evaluate, number
 from .schema import FractionOfRanks, Policy, RecoverySettings, Rule
-from .values import LAYER_SIGNALS, Duration
+from .values import Duration
 
 __all__ = ["Decision", "Engine", "replay"]
 

@@ -12,8 +12,10 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
+from spikeguard.workers.contract.signals import AGGREGATE, LAYER_SIGNALS
+
 from .conditions import AllOf, AnyOf, Change, Crash, Hang, NonFinite, Threshold, Trailing
-from .values import AGGREGATE, LAYER_SIGNALS, format_grade
+from .values import format_grade
 
 
 @dataclasses.dataclass(frozen=True)

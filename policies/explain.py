@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from spikeguard.workers.contract.signals import LAYER_SIGNALS
+
 from .conditions import AllOf, AnyOf, Change, Crash, Hang, NonFinite, Threshold, Trailing
 from .schema import AtLeastRanks, FractionOfRanks, Policy, RecoverySettings, Rule
-from .values import LAYER_SIGNALS, format_grade
+from .values import format_grade
 
 _NAMES = {
     "grade": "the grade",

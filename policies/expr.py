@@ -26,7 +26,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .values import LAYER_SIGNALS, fail
+from spikeguard.workers.contract.signals import LAYER_SIGNALS
+
+from .values import fail
 
 MAX_LENGTH = 500
 MAX_DEPTH = 16

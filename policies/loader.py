@@ -17,9 +17,10 @@ from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from spikeguard.workers.contract.secrets import Finding, secret_key, secret_value
 
 from .schema import Policy
-from .values import secret_problem, show, suggest
+from .values import show, suggest
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -114,10 +115,15 @@ def format_path(path: tuple) -> str:
     return out
 
 
+def _null(node: yaml.Node) -> bool:
+    """A scalar that reads as null or the empty string (``token: null`` holds no secret)."""
+    return isinstance(node, yaml.ScalarNode) and (node.tag == _Y + "null" or node.value == "")
+
+
 class _Positions:
     """Walks the composed YAML tree: records where every key and value is, refuses pitfalls."""
 
-    def __init__(self, file: str, secrets: bool) -> None:
+    def __init__(self, file: str, secrets: str | None) -> None:
         self.file, self.secrets = file, secrets
         self.keys: dict[tuple, yaml.Node] = {}
         self.values: dict[tuple, yaml.Node] = {}
@@ -142,9 +148,12 @@ class _Positions:
                 format_path(path),
             )
         if isinstance(node, yaml.ScalarNode):
-            problem = self.secrets and secret_problem(None, node.value)
-            if problem:
-                raise _fail(self.file, node.start_mark, problem, format_path(path))
+            what = self.secrets and secret_value(node.value)
+            if what:
+                finding = Finding(path, in_key=False, what=what)
+                raise _fail(
+                    self.file, node.start_mark, finding.message(self.secrets), format_path(path)
+                )
         elif isinstance(node, yaml.SequenceNode):
             for i, item in enumerate(node.value):
                 self.walk(item, path + (i,))
@@ -180,9 +189,14 @@ class _Positions:
                         format_path(path),
                     )
                 seen[key] = key_node
-                problem = self.secrets and secret_problem(key, None)
-                if problem:
-                    raise _fail(self.file, key_node.start_mark, problem, format_path(path + (key,)))
+                if self.secrets and secret_key(key) and not _null(value_node):
+                    finding = Finding((*path, key), in_key=True, what="a secret")
+                    raise _fail(
+                        self.file,
+                        key_node.start_mark,
+                        finding.message(self.secrets),
+                        format_path(path + (key,)),
+                    )
                 self.keys[path + (key,)] = key_node
                 self.walk(value_node, path + (key,))
 
@@ -325,7 +339,7 @@ def _from_validation(
     return PolicyError(issues)
 
 
-def _parse(text: str, filename: str, secrets: bool) -> tuple[dict, _Positions]:
+def _parse(text: str, filename: str, secrets: str | None) -> tuple[dict, _Positions]:
     loader = _PolicyLoader(text)
     try:
         node = loader.get_single_node()
@@ -357,7 +371,7 @@ def _parse(text: str, filename: str, secrets: bool) -> tuple[dict, _Positions]:
 
 def load_yaml_text(text: str, filename: str = "<string>") -> dict[str, Any]:
     """The plain data of a YAML mapping, read with this module's safe dialect (no validation)."""
-    return _parse(text, filename, secrets=False)[0]
+    return _parse(text, filename, secrets=None)[0]
 
 
 def load_model_text(
@@ -366,12 +380,13 @@ def load_model_text(
     filename: str = "<string>",
     *,
     overrides: dict[str, Any] | None = None,
-    secrets: bool = False,
+    secrets: str | None = None,
 ) -> M:
     """Validate YAML ``text`` against any pydantic ``model`` with this module's safe loader.
 
     ``overrides`` replace top-level fields (command-line flags); errors in them say so instead
-    of pointing into the file. ``secrets=True`` refuses secret-looking keys and values.
+    of pointing into the file. ``secrets`` (the kind of file, e.g. ``"job file"``) refuses
+    secret-looking keys and values, naming that kind in the error.
     """
     data, pos = _parse(text, filename, secrets)
     overrides = dict(overrides or {})
@@ -387,7 +402,7 @@ def load_model_file(
     path: str | Path,
     *,
     overrides: dict[str, Any] | None = None,
-    secrets: bool = False,
+    secrets: str | None = None,
 ) -> M:
     """:func:`load_model_text` on a file; unreadable files raise :class:`PolicyError` too."""
     return load_model_text(model, _read(path), str(path), overrides=overrides, secrets=secrets)
@@ -395,7 +410,7 @@ def load_model_file(
 
 def load_policy_text(text: str, filename: str = "<string>") -> Policy:
     """Parse and validate a policy from YAML text; raises :class:`PolicyError`."""
-    return load_model_text(Policy, text, filename, secrets=True)
+    return load_model_text(Policy, text, filename, secrets="policy file")
 
 
 def _read(path: str | Path, hint: str = "") -> str:

@@ -22,11 +22,12 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from spikeguard.workers.contract.secrets import find_secret
+from spikeguard.workers.contract.signals import LAYER_SIGNALS
 
 from .base import _Model
 from .conditions import AllOf, AnyOf, Change, Condition, Crash, Hang, NonFinite, Threshold, Trailing
 from .values import (
-    LAYER_SIGNALS,
     Action,
     Destination,
     DurationOf,
@@ -35,7 +36,6 @@ from .values import (
     StepCount,
     StrictBool,
     fail,
-    find_secret,
     show,
     suggest,
 )
@@ -408,7 +408,7 @@ class Policy(_Model):
         if isinstance(data, dict):
             found = find_secret(data)
             if found:
-                fail(found[1], found[0], key=found[1].startswith("key "))
+                fail(found.message("policy file"), found.path, key=found.in_key)
         return data
 
     @model_validator(mode="after")

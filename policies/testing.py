@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .values import AGGREGATE
+from spikeguard.workers.contract.messages import FORMAT_VERSION
+from spikeguard.workers.contract.signals import summarize
 
 
 def _base(kind: str, rank: int, step: int, gen: int, at: float | None) -> dict[str, Any]:
     return {
-        "v": 1,
+        "v": FORMAT_VERSION,
         "type": kind,
         "run": "test",
         "gen": gen,
@@ -79,14 +80,7 @@ def report(
     if layers is None:
         layers = {"blocks.0": dict(signals)}
     if summary is None:
-        summary = {}
-        for sig, how in AGGREGATE.items():
-            values = [d[sig] for d in layers.values() if d.get(sig) is not None]
-            if values:
-                summary[sig] = max(values) if how == "max" else min(values)
-        grades = {name: d["grade"] for name, d in layers.items() if d.get("grade") is not None}
-        if grades:
-            summary["worst_layer"] = min(grades, key=lambda n: grades[n])
+        summary = summarize(layers)
     return {
         **_base("report", rank, step, gen, at),
         "loss": loss,

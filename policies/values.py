@@ -15,27 +15,10 @@ from typing import Annotated, Any, Literal, NoReturn
 from pydantic import BeforeValidator, PlainSerializer, PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
-# --- signals ------------------------------------------------------------------------------
+from spikeguard.workers.contract.signals import SIGNALS, is_grade
+from spikeguard.workers.contract.signals import format_grade as contract_format_grade
+from spikeguard.workers.contract.signals import parse_grade as contract_parse_grade
 
-LAYER_SIGNALS = (
-    "erank_ratio",
-    "grade",
-    "attn_entropy_mean",
-    "attn_entropy_min",
-    "attn_entropy_min_norm",
-    "max_logit",
-    "logz_mean",
-    "logz_max",
-)
-"""Per-layer signals of a sampled ``report`` (mirrors ``workers.contract.SIGNALS``)."""
-STEP_SIGNALS = ("loss", "grad_norm", "lr")
-"""Per-rank signals of every ``heartbeat`` (and of every ``report``)."""
-SIGNALS = LAYER_SIGNALS + STEP_SIGNALS
-
-AGGREGATE = {
-    s: ("max" if s == "max_logit" or s.startswith("logz") else "min") for s in LAYER_SIGNALS
-}
-"""How the rank's ``summary`` aggregates a layer signal over layers (per the contract)."""
 
 
 def fail(msg: str, at: str | int | tuple = (), *, key: bool = False) -> NoReturn:
@@ -117,20 +100,20 @@ GRADE_PATTERN = r"^S[0-7]$"
 
 
 def parse_grade(v: Any) -> int:
-    """``"S3"`` -> 3; an integer 0..7 is accepted as is (S7 is healthy, S0 the worst)."""
-    if isinstance(v, bool):
-        fail(f"expected a grade S0…S7, got {show(v)}")
-    if isinstance(v, int) and 0 <= v <= 7:
-        return v
-    if isinstance(v, str) and re.fullmatch(r"[Ss]\d+", v.strip()):
-        n = int(v.strip()[1:])
-        if n <= 7:
-            return n
+    """``"S3"`` (or ``s3``) -> 3; an integer 0..7 is accepted as is (S7 is healthy, S0 the worst)."""
+    if is_grade(v):
+        return int(v)
+    if isinstance(v, str):
+        try:
+            return contract_parse_grade(v.strip().upper())
+        except ValueError:
+            pass
     fail(f"expected a grade S0…S7 (S7 is healthy), got {show(v)}")
 
 
 def format_grade(g: float) -> str:
-    return f"S{int(g)}" if float(g).is_integer() else f"{g:g}"
+    """A threshold on the grade as written in a policy: ``S3``, or the number if not a grade."""
+    return contract_format_grade(int(g)) if float(g).is_integer() and 0 <= g <= 7 else f"{g:g}"
 
 
 Grade = Annotated[
@@ -249,44 +232,3 @@ def finite(v: Any) -> float:
     if not math.isfinite(v):
         fail(f"expected a finite number, got {show(v)}")
     return float(v)
-
-
-# --- secrets ------------------------------------------------------------------------------
-
-_SECRET_KEY = re.compile(r"token|secret|webhook|passw(or)?d|api[_-]?key|credential", re.I)
-_SLACK_TOKEN = re.compile(r"xox[abpr]-")
-_SLACK_HOOK = re.compile(r"hooks\.slack\.com/", re.I)
-_ENV_ADVICE = (
-    "secrets never go in a policy file: set SLACK_BOT_TOKEN (bot token) or "
-    "SPIKEGUARD_SLACK_WEBHOOK_URL (incoming webhook) in the environment instead"
-)
-
-
-def secret_problem(key: Any, value: Any) -> str | None:
-    """Why the pair ``key: value`` looks like a secret, or None."""
-    if isinstance(key, str) and _SECRET_KEY.search(key):
-        return f"key {key!r} looks like a secret: {_ENV_ADVICE}"
-    if isinstance(value, str) and _SLACK_TOKEN.search(value):
-        return f"this value looks like a Slack token: {_ENV_ADVICE}"
-    if isinstance(value, str) and _SLACK_HOOK.search(value):
-        return f"this value looks like a Slack webhook URL: {_ENV_ADVICE}"
-    return None
-
-
-def find_secret(data: Any, path: tuple = ()) -> tuple[tuple, str] | None:
-    """The path and reason of the first secret-looking key or value in plain data."""
-    items = (
-        data.items()
-        if isinstance(data, dict)
-        else enumerate(data)
-        if isinstance(data, list)
-        else ()
-    )
-    for k, v in items:
-        problem = secret_problem(k if isinstance(data, dict) else None, v)
-        if problem:
-            return path + (k,), problem
-        found = find_secret(v, path + (k,))
-        if found:
-            return found
-    return None

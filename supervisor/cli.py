@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from spikeguard.policies import commands as policy_commands
+from spikeguard.workers.contract.exitcodes import ExitCode
 
 from . import slack_cmd
-from .exitcodes import ExitCode
 
 EXIT_BAD_INPUT = ExitCode.BAD_INPUT
 

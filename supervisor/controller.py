@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from spikeguard.workers import checkpoint as ckpt
+from spikeguard.workers.contract.exitcodes import ExitCode
 
 from . import reaper, rundir
 from . import recovery as rc
 from .collector import Collector, is_finite
 from .errors import LaunchError
-from .exitcodes import ExitCode
 from .journal import Journal
 
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from spikeguard.policies.loader import load_model_file
+from spikeguard.workers.contract.secrets import find_secret
 
 
 class _Strict(BaseModel):
@@ -95,14 +96,9 @@ class JobSpec(_Strict):
     @field_validator("env")
     @classmethod
     def _no_secrets(cls, v: dict[str, str]) -> dict[str, str]:
-        for k, val in v.items():
-            if any(
-                w in k.upper() for w in ("TOKEN", "SECRET", "PASSWORD", "WEBHOOK")
-            ) or val.startswith("xox"):
-                raise ValueError(
-                    f"env.{k} looks like a secret: set it in the supervisor's environment, "
-                    "not in the job file"
-                )
+        found = find_secret(v)
+        if found:
+            raise ValueError(f"env.{found.path[0]}: {found.message('job file')}")
         return v
 
     @model_validator(mode="after")
@@ -126,7 +122,7 @@ def load_job(path: str | os.PathLike[str], overrides: dict[str, Any] | None = No
     Relative ``entrypoint`` and ``policy`` paths are resolved against the job file's folder.
     Raises :class:`spikeguard.policies.PolicyError` (file:line:col: field: message).
     """
-    job: JobSpec = load_model_file(JobSpec, path, overrides=overrides, secrets=True)
+    job: JobSpec = load_model_file(JobSpec, path, overrides=overrides, secrets="job file")
     base = Path(path).resolve().parent
     upd: dict[str, Any] = {}
     if not job.entrypoint.startswith("-m ") and not Path(job.entrypoint).is_absolute():

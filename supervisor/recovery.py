@@ -35,7 +35,8 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from .exitcodes import ExitCode
+from spikeguard.workers.contract.exitcodes import ExitCode
+
 from .recovery_model import *  # noqa: F403  (the public names of the machine)
 from .recovery_model import (
     RECUR_WINDOW_STEPS,

@@ -7,11 +7,12 @@ import os
 import signal
 from typing import Any
 
+from spikeguard.workers.contract.exitcodes import ExitCode
+
 from . import recovery as rc
 from . import rundir
 from .console import ConsoleNotifier, LiveView
 from .controller import Controller
-from .exitcodes import ExitCode
 from .job import JobSpec
 from .journal import read_events
 from .workers import GroupSpec, WorkerGroup, python_cmd

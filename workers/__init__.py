@@ -1,20 +1,27 @@
 """spikeguard.workers — the part of spikeguard that lives inside each training rank.
 
-Torch only; nothing here knows about Ray or the supervisor. The launcher
-contract (environment variables and message format) is in :mod:`.contract`.
+Nothing here knows about Ray or the supervisor. The shared vocabulary (environment variables,
+messages, grades, the resume plan) is :mod:`.contract`, which needs no torch; everything else
+imports torch, so it is loaded on first use: ``import spikeguard.workers`` alone stays cheap and
+torch-free (the supervisor imports the contract on a head node without torch).
 """
 
-from .contract import ResumePlan
-from .session import Session, StaleGenerationError, attach
-from .signals import (
-    attention_stats,
-    effective_rank,
-    effective_rank_ratio,
-    format_grade,
-    grade_of,
-    logz_stats,
-    parse_grade,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .contract import ResumePlan, format_grade, grade_of, parse_grade
+
+_LAZY = {
+    "attach": "session",
+    "Session": "session",
+    "StaleGenerationError": "session",
+    "attention_stats": "signals",
+    "effective_rank": "signals",
+    "effective_rank_ratio": "signals",
+    "logz_stats": "signals",
+}
 
 __all__ = [
     "ResumePlan",
@@ -29,3 +36,16 @@ __all__ = [
     "logz_stats",
     "parse_grade",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -26,7 +26,6 @@ the forward hooks do their work during that step's forward pass and
 from __future__ import annotations
 
 import collections
-import math
 import os
 import socket
 import time
@@ -38,6 +37,7 @@ import torch
 from . import checkpoint as ckpt
 from . import contract
 from .channel import open_channel
+from .contract.signals import summarize
 from .probes import Probes
 
 
@@ -52,31 +52,6 @@ def _num(x: Any) -> float | None:
         x = x.detach()
         x = x.item() if x.numel() == 1 else float("nan")
     return float(x)
-
-
-def summarize(layers: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Aggregate per-layer signals: grades/ratios/entropies by min, logits/log Z by max."""
-    out: dict[str, Any] = {}
-    mins = (
-        "grade",
-        "erank_ratio",
-        "attn_entropy_mean",
-        "attn_entropy_min",
-        "attn_entropy_min_norm",
-    )
-    maxs = ("max_logit", "logz_mean", "logz_max")
-    for name in mins + maxs:
-        vals = [v[name] for v in layers.values() if isinstance(v.get(name), (int, float))]
-        if not vals:
-            continue
-        if any(isinstance(v, float) and math.isnan(v) for v in vals):
-            out[name] = float("nan")
-        else:
-            out[name] = min(vals) if name in mins else max(vals)
-    graded = [(v["grade"], v.get("erank_ratio", 0.0), k) for k, v in layers.items() if "grade" in v]
-    if graded:
-        out["worst_layer"] = min(graded)[2]
-    return out
 
 
 class Session:

@@ -41,10 +41,11 @@ Three ways to get the singular values (``method=``), picked by shape in
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
+
+from .contract.signals import GRADE_THRESHOLDS, format_grade, grade_of, parse_grade
 
 __all__ = [
     "DEFAULT_THRESHOLDS",
@@ -79,8 +80,8 @@ LOWRANK_SEED = 0x5EED
 """Seed of the private generator of the randomized path (results are deterministic)."""
 ZERO_RTOL = 1e-6
 """Singular values below ``ZERO_RTOL * s_1`` are treated as exact zeros."""
-DEFAULT_THRESHOLDS: tuple[float, ...] = (0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
-"""Grade boundaries: grade = number of thresholds strictly below the ratio."""
+DEFAULT_THRESHOLDS = GRADE_THRESHOLDS
+"""Grade boundaries (the contract's): grade = number of thresholds strictly below the ratio."""
 
 _METHODS = ("auto", "svd", "gram", "lowrank")
 
@@ -193,45 +194,6 @@ def effective_rank_ratio(x: torch.Tensor, k: int = 32, *, method: Method = "auto
     erank = effective_rank(x, k, method=method)
     rows = x.numel() // x.shape[-1]
     return erank / min(rows, x.shape[-1], k)
-
-
-def _check_thresholds(thresholds: tuple[float, ...]) -> None:
-    t = tuple(thresholds)
-    if len(t) != 7:
-        raise ValueError(f"need 7 grade thresholds, got {len(t)}: {t}")
-    for v in t:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v < 1.0:
-            raise ValueError(f"grade thresholds must be numbers in (0, 1), got {t}")
-    if any(a <= b for a, b in zip(t, t[1:])):
-        raise ValueError(f"grade thresholds must be strictly decreasing, got {t}")
-
-
-def grade_of(ratio: float, thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS) -> int:
-    """Grade 0..7 of an effective-rank ratio: the number of thresholds strictly below it.
-
-    With the defaults: ratio > 0.7 -> 7 (healthy), exactly 0.7 -> 6, ...,
-    ratio <= 0.1 -> 0 (collapsing). A NaN ratio grades 0: a non-finite
-    activation is the worst case, not a missing value.
-    """
-    _check_thresholds(thresholds)
-    r = float(ratio)
-    if math.isnan(r):
-        return 0
-    return sum(1 for t in thresholds if t < r)
-
-
-def format_grade(g: int) -> str:
-    """``5 -> "S5"``; ``ValueError`` outside 0..7."""
-    if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g <= 7:
-        raise ValueError(f"grade must be an int in 0..7, got {g!r}")
-    return f"S{g}"
-
-
-def parse_grade(text: str) -> int:
-    """``"S5" -> 5``: exactly ``S`` followed by one digit 0..7, else ``ValueError``."""
-    if not isinstance(text, str) or len(text) != 2 or text[0] != "S" or text[1] not in "01234567":
-        raise ValueError(f"not a grade: {text!r} (expected 'S0' .. 'S7')")
-    return int(text[1])
 
 
 def _query_rows(

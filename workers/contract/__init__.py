@@ -1,0 +1,66 @@
+"""The shared vocabulary of spikeguard: what the launcher, the ranks, the policies and the
+supervisor say to each other. Pure Python, no torch, no Ray: the control plane imports it on a
+head node without torch.
+
+* :mod:`.env`        the environment variables the launcher sets for each rank
+* :mod:`.messages`   the rank -> supervisor message format (types, fields, version)
+* :mod:`.signals`    signal names, their aggregation over layers, and the stability grades
+* :mod:`.plan`       the resume plan the supervisor hands a (re)launched generation
+* :mod:`.exitcodes`  the exit codes of the ``spikeguard`` command
+* :mod:`.secrets`    the one scanner that recognises secrets (policy, job and environment checks)
+"""
+
+from .env import (
+    ENV_CKPT_DIR,
+    ENV_FENCE_FILE,
+    ENV_GENERATION,
+    ENV_REPORT,
+    ENV_RESUME,
+    ENV_RUN_ID,
+    ENV_SAMPLE_EVERY,
+    env_int,
+)
+from .exitcodes import ExitCode
+from .messages import FORMAT_VERSION, MESSAGE_TYPES, SUPERVISOR_MESSAGE_TYPES
+from .plan import ResumePlan
+from .secrets import find_secret, redact, secret_key, secret_value
+from .signals import (
+    AGGREGATE,
+    GRADE_THRESHOLDS,
+    LAYER_SIGNALS,
+    SIGNALS,
+    STEP_SIGNALS,
+    format_grade,
+    grade_of,
+    parse_grade,
+    summarize,
+)
+
+__all__ = [
+    "AGGREGATE",
+    "ENV_CKPT_DIR",
+    "ENV_FENCE_FILE",
+    "ENV_GENERATION",
+    "ENV_REPORT",
+    "ENV_RESUME",
+    "ENV_RUN_ID",
+    "ENV_SAMPLE_EVERY",
+    "FORMAT_VERSION",
+    "GRADE_THRESHOLDS",
+    "LAYER_SIGNALS",
+    "MESSAGE_TYPES",
+    "SIGNALS",
+    "STEP_SIGNALS",
+    "SUPERVISOR_MESSAGE_TYPES",
+    "ExitCode",
+    "ResumePlan",
+    "env_int",
+    "find_secret",
+    "format_grade",
+    "grade_of",
+    "parse_grade",
+    "redact",
+    "secret_key",
+    "secret_value",
+    "summarize",
+]
