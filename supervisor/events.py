@@ -1,0 +1,110 @@
+"""The journal's vocabulary: every event kind, every reason code, and what a kind means to a reader.
+
+The journal (``RUN_DIR/journal.jsonl``) is an append-only table of events. Each has a ``kind``
+(:class:`Kind`), a prose ``reason`` for humans, and, when the recovery machine wrote it, a
+``code`` (:class:`Reason`) for programs: ``status``, the console, Slack and the metrics read codes,
+never prose. Everything a reader derives from the journal (the phase of an incident thread, the
+story the console prints) is a fold over these events using the tables below, so the recovery
+story is encoded once, in :mod:`.recovery`, and described once, here.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Kind(str, enum.Enum):
+    """What an event records. The first group is the recovery story, the second bookkeeping."""
+
+    LAUNCH = "launch"
+    """A generation of ranks was started (initial, after a recovery, a launch failure, a restart)."""
+    INCIDENT = "incident"
+    """A rule decided to recover (or an incident escalated at once): the rule, signal, rank, step."""
+    KILL = "kill"
+    """Every rank of the generation was killed; the generation is fenced."""
+    ROLLBACK = "rollback"
+    """The checkpoint to resume from was chosen (or none qualified), with what was skipped and why."""
+    LR_CUT = "lr_cut"
+    """The learning-rate scale was multiplied by the attempt's factor."""
+    OPTIMIZER_RESET = "optimizer_reset"
+    """The next generation starts with fresh optimizer state."""
+    PROBATION_START = "probation_start"
+    """The relaunched generation must train this many steps without another recover decision."""
+    PROBATION_PROGRESS = "probation_progress"
+    """How far the probation window is (periodic; optional)."""
+    PROBATION_PASSED = "probation_passed"
+    """The window passed: the incident is resolved."""
+    PROBATION_FAILED = "probation_failed"
+    """Another recover decision inside the window: the attempt failed."""
+    ESCALATED = "escalated"
+    """Automatic recovery gave up (budget spent, no healthy checkpoint, a recurring fault)."""
+    COMPLETED = "completed"
+    """Every rank finished training."""
+    FAILED = "failed"
+    """The job failed (a crash no rule recovers, launches that keep failing)."""
+    STOPPED = "stopped"
+    """Stopped by ``spikeguard stop`` or a policy ``stop`` rule."""
+    LAUNCH_FAILED = "launch_failed"
+    """A launch did not come up (a rank died before its first message, placement failed)."""
+    RESUME = "resume"
+    """A restarted supervisor chose the checkpoint to resume a running generation from."""
+    ALERT = "alert"
+    """A notify (or checkpoint) rule fired or resolved, or an informational note."""
+
+    SUPERVISOR_START = "supervisor_start"
+    """A supervisor took over an unfinished run directory."""
+    REAPED = "reaped"
+    """Rank processes of replaced generations were found and killed."""
+    NOTIFY_THREAD = "notify_thread"
+    """The Slack thread of an incident (channel and ts), so a restarted supervisor continues it."""
+    NOTIFY_UNDELIVERED = "notify_undelivered"
+    """A notification that could not be delivered, and why."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+TERMINAL_KINDS = frozenset({Kind.COMPLETED, Kind.FAILED, Kind.ESCALATED, Kind.STOPPED})
+"""Kinds that end a run (``escalated`` with ``hold`` does not end it: it waits for a human)."""
+
+STORY_KINDS = frozenset(
+    {
+        Kind.LAUNCH,
+        Kind.INCIDENT,
+        Kind.KILL,
+        Kind.ROLLBACK,
+        Kind.LR_CUT,
+        Kind.OPTIMIZER_RESET,
+        Kind.PROBATION_START,
+        Kind.PROBATION_PASSED,
+        Kind.PROBATION_FAILED,
+        Kind.ESCALATED,
+        Kind.COMPLETED,
+        Kind.FAILED,
+        Kind.STOPPED,
+        Kind.LAUNCH_FAILED,
+        Kind.RESUME,
+        Kind.ALERT,
+    }
+)
+"""Kinds a person following the run wants to read (the console prints these)."""
+
+
+class IncidentState(str, enum.Enum):
+    """Where an incident stands, as its Slack thread and ``status`` show it."""
+
+    RECOVERING = "RECOVERING"
+    PROBATION = "PROBATION"
+    RESOLVED = "RESOLVED"
+    ESCALATED = "ESCALATED"
+
+
+INCIDENT_STATE: dict[Kind, IncidentState] = {
+    Kind.INCIDENT: IncidentState.RECOVERING,
+    Kind.PROBATION_FAILED: IncidentState.RECOVERING,
+    Kind.PROBATION_START: IncidentState.PROBATION,
+    Kind.PROBATION_PASSED: IncidentState.RESOLVED,
+    Kind.ESCALATED: IncidentState.ESCALATED,
+    Kind.FAILED: IncidentState.ESCALATED,
+}
+"""The incident state an event of this kind leads to (other kinds leave it as it is)."""
