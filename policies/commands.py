@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from spikeguard.workers.contract.exitcodes import ExitCode
+
 from .engine import Decision, replay
 from .explain import explain
 from .loader import BUILTINS, PolicyError, load_policy
 from .schema import Policy
-
-EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
 
 def register(subparsers: Any) -> None:
@@ -32,7 +32,7 @@ def register(subparsers: Any) -> None:
         + ", ".join(BUILTINS)
         + ").",
     )
-    p.set_defaults(func=lambda args: (p.print_help(sys.stderr), EXIT_BAD_INPUT)[1])
+    p.set_defaults(func=lambda args: (p.print_help(sys.stderr), ExitCode.BAD_INPUT)[1])
     sub = p.add_subparsers(dest="policy_cmd", metavar="{check,schema,explain,replay}")
     c = sub.add_parser("check", help="validate a policy file (exit 0 ok, 2 with the error)")
     c.add_argument("file", help="a policy YAML file or a built-in name")
@@ -69,13 +69,13 @@ def _guard(fn: Any) -> Any:
         try:
             return fn(args)
         except BrokenPipeError:
-            return EXIT_OK
+            return ExitCode.OK
         except Exception as e:
             print(
                 f"spikeguard policy: internal error ({type(e).__name__}: {e}); please report it",
                 file=sys.stderr,
             )
-            return EXIT_BAD_INPUT
+            return ExitCode.BAD_INPUT
 
     wrapper.__name__ = fn.__name__
     wrapper.__doc__ = fn.__doc__
@@ -87,14 +87,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Validate a policy: exit 0 and a one-line summary, or 2 and the errors on stderr."""
     policy = _load(args.file)
     if policy is None:
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     actions = collections.Counter(r.action for r in policy.rules)
     print(
         f"{args.file}: ok — policy {policy.name!r}, {len(policy.rules)} rules ("
         + ", ".join(f"{n} {a}" for a, n in sorted(actions.items()))
         + ")"
     )
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def policy_schema() -> dict[str, Any]:
@@ -111,7 +111,7 @@ def policy_schema() -> dict[str, Any]:
 def cmd_schema(args: argparse.Namespace) -> int:
     """Print the JSON Schema."""
     print(json.dumps(policy_schema(), indent=2, ensure_ascii=False))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 @_guard
@@ -119,9 +119,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     """Print the policy in plain words."""
     policy = _load(args.file)
     if policy is None:
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     print(explain(policy))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 class _Source:
@@ -216,12 +216,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Evaluate a policy over recorded messages and print what it would have decided."""
     policy = _load(args.file)
     if policy is None:
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     try:
         messages, bad = load_messages(args.source)
     except (OSError, UnicodeDecodeError) as e:
         print(f"spikeguard policy replay: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     if bad:
         print(
             f"spikeguard policy replay: skipped {len(bad)} line(s) that are not JSON objects "
@@ -232,4 +232,4 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for d in decisions:
         print(json.dumps(d.to_dict(), sort_keys=True) if args.json else _line(d))
     print(summarize(policy, messages, decisions), file=sys.stderr if args.json else sys.stdout)
-    return EXIT_OK
+    return ExitCode.OK

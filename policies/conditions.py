@@ -175,7 +175,9 @@ class NonFinite(_Leaf):
 
 
 class Crash(_Leaf):
-    """Fires when a rank's process exited with a code other than 0 (the supervisor's ``exit`` message)."""
+    """Fires when a rank's process exited with a code other than 0 (the supervisor's ``exit``
+    message) after it sent its first message; one that dies before is a launch failure, which the
+    supervisor retries on its own (job ``timeouts.launch_retries``)."""
 
     crash: Literal[True]
     """Always true."""

@@ -158,6 +158,8 @@ def evaluate(cond: Any, ctx: Context) -> Hit | None:
                     return hit
         return None
     if kind is Crash:
+        if ctx.msg.raw.get("first") is True:
+            return None  # it never sent a message: a launch failure, retried by the supervisor
         code = ctx.msg.raw.get("code")
         if isinstance(code, int) and not isinstance(code, bool) and code != 0:
             how = f" (killed by signal {-code})" if code < 0 else ""

@@ -14,11 +14,9 @@ from typing import Annotated, Any, Literal, NoReturn
 
 from pydantic import BeforeValidator, PlainSerializer, PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
-
 from spikeguard.workers.contract.signals import SIGNALS, is_grade
 from spikeguard.workers.contract.signals import format_grade as contract_format_grade
 from spikeguard.workers.contract.signals import parse_grade as contract_parse_grade
-
 
 
 def fail(msg: str, at: str | int | tuple = (), *, key: bool = False) -> NoReturn:

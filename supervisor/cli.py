@@ -18,8 +18,6 @@ from spikeguard.workers.contract.exitcodes import ExitCode
 
 from . import slack_cmd
 
-EXIT_BAD_INPUT = ExitCode.BAD_INPUT
-
 
 def _submit(args: argparse.Namespace) -> int:
     from spikeguard.policies import PolicyError
@@ -41,7 +39,7 @@ def _submit(args: argparse.Namespace) -> int:
         load_policy(job.policy)  # bad policy: say so before starting anything
     except (PolicyError, OSError) as e:
         print(f"spikeguard: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     return run_job(job, live=not args.quiet)
 
 
@@ -52,7 +50,7 @@ def _status(args: argparse.Namespace) -> int:
     path = Path(args.run_dir) / "status.json"
     if not path.exists():
         print(f"spikeguard: no run in {args.run_dir} (no status.json)", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     status = json.loads(path.read_text())
     if args.json:
         print(json.dumps(status))
@@ -75,7 +73,7 @@ def _events(args: argparse.Namespace) -> int:
 
     if not (Path(args.run_dir) / "journal.jsonl").exists():
         print(f"spikeguard: no journal in {args.run_dir}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     for ev in read_events(args.run_dir):
         if args.kind and ev["kind"] not in args.kind:
             continue
@@ -91,7 +89,7 @@ def _stop(args: argparse.Namespace) -> int:
     run = Path(args.run_dir)
     if not (run / "journal.jsonl").exists():
         print(f"spikeguard: no run in {args.run_dir}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     (run / "STOP").write_text(args.reason)
     print(f"spikeguard: asked the supervisor of {run} to stop ({args.reason})")
     return 0

@@ -1,8 +1,10 @@
 """The collector: turns raw report lines, exit codes and silence into messages.
 
-Pure bookkeeping (no Ray, no I/O, time passed in): validates every line
-against the contract, fences by generation, counts what it drops and why,
-and synthesises ``exit`` and ``hang`` messages for the policy engine.
+Pure bookkeeping (no Ray, no I/O, time passed in): validates every line against the contract,
+fences by generation, counts what it drops and why, and synthesises ``exit`` and ``hang``
+messages for the policy engine. It also classifies them: an exit or hang of a rank that never
+sent a message is marked ``first`` (a launch failure, not a crash; its step is the step the
+generation was to begin with), and a crash in teardown after ``done`` is counted as finished.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import json
 import math
 from typing import Any
 
-from spikeguard.workers.contract import FORMAT_VERSION, MESSAGE_TYPES
+from spikeguard.workers.contract.messages import FORMAT_VERSION, MESSAGE_TYPES
+
+from .launch.types import RankPoll
 
 _NUMERIC = ("loss", "lr", "grad_norm")
 
@@ -36,6 +40,8 @@ class RankView:
 
 
 class Collector:
+    """Validates and fences the current generation's messages; see the module docstring."""
+
     def __init__(
         self, *, world_size: int, hang_timeout_s: float, first_heartbeat_timeout_s: float
     ) -> None:
@@ -44,15 +50,19 @@ class Collector:
         self.first_heartbeat_timeout_s = first_heartbeat_timeout_s
         self.generation: int | None = None
         self.launched_at = 0.0
+        self.start_step = 0
+        """The step the current generation begins with (its resume plan's)."""
         self.ranks: dict[int, RankView] = {}
         self.dropped: collections.Counter[str] = collections.Counter()
         self.rank_dropped = 0
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=400)
 
     # -- generations --------------------------------------------------------------------------
-    def new_generation(self, generation: int, now: float) -> None:
+    def new_generation(self, generation: int, now: float, start_step: int = 0) -> None:
+        """Accept ``generation`` from now on; its ranks begin at ``start_step``."""
         self.generation = generation
         self.launched_at = now
+        self.start_step = start_step
         self.ranks = {r: RankView(rank=r) for r in range(self.world_size)}
 
     def fence(self) -> None:
@@ -106,37 +116,60 @@ class Collector:
             v.done = True
         return msg
 
+    def ingest_poll(self, poll: RankPoll, now: float) -> list[dict[str, Any]]:
+        """Everything one agent poll brings: the accepted report lines, then (once) the exit."""
+        out = []
+        for line in poll.lines:
+            msg = self.ingest(poll.rank, line, now)
+            if msg is not None:
+                out.append(msg)
+        if poll.overflow:
+            self.dropped["agent_overflow"] += poll.overflow
+        if poll.oversize:
+            self.dropped["oversize"] += poll.oversize
+        if poll.exit_code is not None:
+            msg = self.exit(poll.rank, poll.exit_code, poll.generation, now)
+            if msg is not None:
+                for key in ("lost", "log_tail", "host"):
+                    value = getattr(poll, key)
+                    if value:
+                        msg[key] = value
+                out.append(msg)
+        return out
+
     def exit(
         self, rank: int, code: int, generation: int | None, now: float
     ) -> dict[str, Any] | None:
-        """The rank's process ended; returns an ``exit`` message (once) for the current generation."""
+        """The rank's process ended: an ``exit`` message (once) for the current generation.
+
+        ``first`` when it never sent a heartbeat (its ``step`` is then the generation's start);
+        a rank that said ``done`` and then died in teardown (gloo's threads aborting at
+        interpreter exit, say) has finished: code 0, with the real one as ``teardown_code``.
+        """
         v = self.ranks.get(rank)
-        if (
-            v is None
-            or generation != self.generation
-            or self.generation is None
-            or v.exit_code is not None
-        ):
+        if self.generation is None or generation != self.generation:
+            return None
+        if v is None or v.exit_code is not None:
             return None
         msg = {
             "v": FORMAT_VERSION,
             "type": "exit",
             "gen": self.generation,
             "rank": rank,
-            "step": v.step if v.step is not None else -1,
+            "step": self.start_step if v.step is None else v.step,
             "code": int(code),
+            "first": v.step is None,
             "at": round(now, 3),
         }
         if v.done and code != 0:
-            # it said `done` (training finished) and then died in teardown (e.g. gloo's threads
-            # aborting at interpreter exit): the training is complete, not a crash to recover
             msg.update(code=0, teardown_code=int(code))
             code = 0
         v.exit_code = code
         return msg
 
     def check_hangs(self, now: float) -> list[dict[str, Any]]:
-        """``hang`` messages for ranks silent too long (first heartbeat has its own, longer timeout)."""
+        """``hang`` messages (once per rank and generation) for ranks silent too long; before its
+        first heartbeat a rank has the longer ``first_heartbeat_timeout_s``."""
         if self.generation is None:
             return []
         out = []
@@ -155,9 +188,10 @@ class Collector:
                         "type": "hang",
                         "gen": self.generation,
                         "rank": v.rank,
-                        "step": v.step if v.step is not None else -1,
+                        "step": self.start_step if v.step is None else v.step,
                         "age_s": round(age, 3),
                         "first": v.step is None,
+                        "timeout_s": limit,
                         "at": round(now, 3),
                     }
                 )
@@ -165,13 +199,16 @@ class Collector:
 
     # -- views ------------------------------------------------------------------------------------
     def min_step(self) -> int | None:
+        """The slowest rank's latest step, once every rank has reported one."""
         steps = [v.step for v in self.ranks.values() if v.step is not None]
         return min(steps) if len(steps) == len(self.ranks) else None
 
     def all_finished(self) -> bool:
+        """Every rank of the current generation exited 0."""
         return bool(self.ranks) and all(v.exit_code == 0 for v in self.ranks.values())
 
     def final_loss(self) -> float | None:
+        """The mean of the ranks' last reported losses."""
         losses = [v.loss for v in self.ranks.values() if isinstance(v.loss, (int, float))]
         return sum(losses) / len(losses) if losses else None
 

@@ -1,14 +1,14 @@
-"""The controller: collector -> engine -> recovery -> effects.
+"""The controller: collector -> engine -> recovery machine -> effects.
 
-Its loop is :meth:`Controller.step`: poll the ranks once, feed every
-accepted message to the policy engine, turn decisions into observations for
-the pure recovery machine (:mod:`.recovery`), journal what the machine says
-and carry out the effects it asks for (kill, choose a checkpoint, launch,
-shut down). Every side effect lives here or below (workers, journal,
-notifiers, reaper); every decision lives in the engine or the machine.
+Its loop is :meth:`Controller.step`: poll the ranks once, validate what they sent (the
+collector), feed every accepted message to the policy engine, hand the engine's decisions and the
+ranks' exits to the pure recovery machine as observations, journal the events the machine
+returns, and carry out the effects it asks for (kill, choose a checkpoint, launch, shut down),
+whose outcomes are observations again. The controller decides nothing: classifying exits and
+hangs is the collector's, what they mean is the engine's and the machine's. Every seam is typed
+(:mod:`.launch.types`).
 
-Timeouts use monotonic clocks only (the journal's ``mono``); a wall-clock jump
-cannot fire a hang.
+Timeouts use monotonic clocks only (the journal's ``mono``); a wall-clock jump cannot fire a hang.
 """
 
 from __future__ import annotations
@@ -22,31 +22,19 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from spikeguard.workers import checkpoint as ckpt
-from spikeguard.workers.contract.exitcodes import ExitCode
 
-from . import reaper, rundir
 from . import recovery as rc
+from . import rundir
 from .collector import Collector, is_finite
-from .errors import LaunchError
+from .events import Kind
 from .journal import Journal
-
-
-class Group(Protocol):
-    def launch(
-        self,
-        *,
-        generation: int,
-        cmd: list[str],
-        env: dict[str, str],
-        plan_path: str | None,
-        fence_file: str,
-        ckpt_dir: str,
-    ) -> list[dict[str, Any]]: ...
-    def poll(self) -> list[dict[str, Any]]: ...
-    def kill(self, grace_s: float = 0.0) -> dict[str, Any] | float: ...
+from .launch import reaper
+from .launch.types import Group, LaunchError
 
 
 class Notifier(Protocol):
+    """Anything that wants every journaled event (console, Slack)."""
+
     def handle(self, event: dict[str, Any]) -> None: ...
 
 
@@ -100,19 +88,23 @@ class Controller:
         self.remote_reap = remote_reap
         self.default_settings = default_settings or rc.Settings()
         self.state = rc.State()
-        self.lineage: list[tuple[int, int | None]] = []
-        """(generation, step it branched from) for every launch; checkpoints off this path are ignored."""
         self._reports = open(self.run_dir / "reports.jsonl", "ab")
         self._last_reap = self.journal.mono()
+        self._effects: dict[type, Callable[[Any], rc.Observation | None]] = {
+            rc.Kill: self._kill,
+            rc.SelectCheckpoint: self._select,
+            rc.Launch: self._launch,
+            rc.Shutdown: self._shutdown,
+        }
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, resume_events: list[dict[str, Any]] | None = None) -> int:
-        """Run to the end. ``resume_events``: the journal of a run a dead supervisor left unfinished."""
+        """Run to the end. ``resume_events``: the journal of a run a dead supervisor left."""
         self._write_status()
         if resume_events:
             self.restart(resume_events)
         else:
-            self._apply(rc.Start())
+            self._apply(rc.Start(self.launch_retries))
         while self.state.phase not in rc.TERMINAL:
             self.step()
             time.sleep(self.poll_interval_s)
@@ -122,15 +114,15 @@ class Controller:
     def restart(self, events: list[dict[str, Any]]) -> None:
         """Take over from a dead supervisor: state from the journal, fence, reap survivors, go on."""
         self.state = rc.fold(events)
-        self.lineage = rc.lineage(events)
         st = self.state
+        inc = st.incident.id if st.incident else None
         self._event(
             {
-                "kind": "supervisor_start",
-                "incident": st.incident.id if st.incident else None,
-                "reason": f"restarted on an unfinished journal: phase {st.phase.value}, generation "
-                f"{st.generation}, LR scale {st.lr_scale:.4g}, "
-                f"{st.incident.id if st.incident else 'no open incident'}",
+                "kind": Kind.SUPERVISOR_START.value,
+                "incident": inc,
+                "reason": f"restarted on an unfinished journal: phase {st.phase.value}, "
+                f"generation {st.generation}, LR scale {st.lr_scale:.4g}, "
+                f"{inc or 'no open incident'}",
                 "resumed": True,
                 "phase": st.phase.value,
                 "generation": st.generation,
@@ -138,50 +130,31 @@ class Controller:
                 "host": socket.gethostname(),
             }
         )
-        nxt = max(rc.next_generation(st), rundir.highest_generation(self.run_dir) + 1)
-        self._write_fence(nxt)  # before anything else: survivors may no longer publish checkpoints
+        on_disk = rundir.highest_generation(self.run_dir)
+        nxt = max(rc.next_generation(st), on_disk + 1)
+        self._write_fence(nxt)  # before anything else: survivors may no longer publish
         self._reap(nxt, "ranks left by the previous supervisor")
-        self._apply(rc.Restarted(self.default_settings, rundir.highest_generation(self.run_dir)))
+        self._apply(rc.Restarted(self.default_settings, on_disk, self.launch_retries))
 
     def step(self) -> rc.State:
         """One pass: poll ranks, evaluate, transition. Returns the (new) state."""
         now = self.journal.mono()
-        if self.stop_file.exists() and self.state.phase not in rc.TERMINAL:
-            self._apply(
-                rc.StopRequested(
-                    self.stop_file.read_text(errors="replace").strip() or "stop requested"
-                )
-            )
+        if self.stop_file.exists():
+            self._apply(rc.StopRequested(self._stop_reason()))
             return self.state
-        if self.state.phase in (rc.Phase.RUNNING, rc.Phase.PROBATION):
-            for res in self.group.poll():
-                for line in res["lines"]:
-                    msg = self.collector.ingest(res["rank"], line, now)
-                    if msg is not None:
-                        self._feed(msg)
-                for k, why in (("overflow", "agent_overflow"), ("oversize", "oversize")):
-                    if res.get(k):
-                        self.collector.dropped[why] += res[k]
-                if res["exit"] is not None:
-                    msg = self.collector.exit(res["rank"], res["exit"], res.get("generation"), now)
-                    if msg is not None:
-                        msg.update({k: res[k] for k in ("lost", "log_tail", "host") if res.get(k)})
-                        self._feed(msg)
+        if self.state.phase in rc.ACTIVE:
+            for poll in self.group.poll():
+                for msg in self.collector.ingest_poll(poll, now):
+                    self._feed(msg)
             for msg in self.collector.check_hangs(now):
                 self._feed(msg)
-            if now - self._last_reap >= self.reap_interval_s and self.state.phase in (
-                rc.Phase.RUNNING,
-                rc.Phase.PROBATION,
-            ):
-                self._reap(
-                    self.state.generation, "rank processes of replaced generations, now reachable"
-                )
-        if self.state.phase is rc.Phase.PROBATION and (s := self.collector.min_step()) is not None:
-            self._apply(rc.Progress(s))
-        if (
-            self.state.phase in (rc.Phase.RUNNING, rc.Phase.PROBATION)
-            and self.collector.all_finished()
-        ):
+            if now - self._last_reap >= self.reap_interval_s and self.state.phase in rc.ACTIVE:
+                self._reap(self.state.generation, "rank processes of replaced generations")
+        if self.state.phase is rc.Phase.PROBATION:
+            slowest = self.collector.min_step()
+            if slowest is not None:
+                self._apply(rc.Progress(slowest))
+        if self.state.phase in rc.ACTIVE and self.collector.all_finished():
             self._apply(rc.Finished(self.collector.final_loss()))
         if self.on_tick:
             self.on_tick(self)
@@ -193,128 +166,64 @@ class Controller:
         gen = self.collector.generation
         if gen is None or msg.get("gen") != gen:
             return  # fenced (or replaced) while handling an earlier message of this poll
-        if msg["type"] in ("exit", "hang") and msg["step"] == -1:
-            if msg["type"] == "exit" and msg["code"] != 0:  # died before its first heartbeat
-                self._write_report(msg)
-                self._launch_failed(msg)
-                return
-            msg["step"] = rc.start_step(
-                self.state.plan
-            )  # the step this generation was to begin with
         self._write_report(msg)
-        if msg.get("teardown_code"):
-            self._event(
-                {
-                    "kind": "alert",
-                    "severity": "info",
-                    "rule": None,
-                    "rank": msg["rank"],
-                    "layer": None,
-                    "step": msg["step"],
-                    "incident": None,
-                    "reason": f"rank {msg['rank']} finished training, then exited with code "
-                    f"{msg['teardown_code']} during teardown; counted as finished",
-                }
-            )
-        for d in self.engine.observe(msg):
-            self._decide(d, msg)
+        for decision in self.engine.observe(msg):
+            self._apply(self._observation(decision, msg))
             if self.collector.generation != gen:
                 return  # acted upon: the generation was fenced (and maybe replaced)
-        if msg["type"] == "exit" and msg["code"] != 0:
-            # a dead rank breaks the gang; without a rule that recovers it, the job has failed
+        if msg["type"] == "exit":
+            details = {k: msg[k] for k in ("step", "log_tail", "lost", "host") if k in msg}
             self._apply(
-                rc.Failed(
-                    f"rank {msg['rank']} exited with code {msg['code']} and no policy rule "
-                    "recovers crashes",
-                    exit_code=ExitCode.FAILED,
-                    details={
-                        "rank": msg["rank"],
-                        "rank_exit_code": msg["code"],
-                        **{k: v for k, v in _exit_details(msg).items() if k != "exit_code"},
-                    },
-                )
-            )
-
-    def _write_report(self, msg: dict[str, Any]) -> None:
-        self._reports.write((json.dumps(msg, separators=(",", ":")) + "\n").encode())
-        self._reports.flush()
-
-    def _launch_failed(self, msg: dict[str, Any]) -> None:
-        why = f"rank {msg['rank']} exited with code {msg['code']} before its first heartbeat"
-        if msg.get("lost"):
-            why += f" (agent lost: {msg['lost']})"
-        self._apply(
-            rc.LaunchFailed(
-                why,
-                self.launch_retries,
-                rank=msg["rank"],
-                exit_code=msg["code"],
-                details={"log_tail": msg.get("log_tail", "")},
-            )
-        )
-
-    def _decide(self, d: Any, msg: dict[str, Any]) -> None:
-        details = {
-            "rule": d.rule,
-            "action": d.action,
-            "severity": d.severity,
-            "signal": d.signal,
-            "value": d.value if d.value is None or is_finite(d.value) else str(d.value),
-            "rank": d.rank,
-            "layer": d.layer,
-            "step": d.step,
-        }
-        if d.action == "recover":
-            view = self.collector.ranks.get(d.rank) if d.rank is not None else None
-            details.update(
-                loss=_jsonable(view.loss if view else msg.get("loss")),
-                grad_norm=_jsonable(view.grad_norm if view else msg.get("grad_norm")),
-                grade=(view.summary.get("grade") if view else None),
-                context=self._context(d.rank),
-            )
-            if msg["type"] == "exit":
-                details.update(_exit_details(msg))
-            elif msg["type"] == "hang":
-                details.update(
-                    first_heartbeat=bool(msg.get("first")),
-                    heartbeat_age_s=msg.get("age_s"),
-                    timeout_s=(
-                        self.collector.first_heartbeat_timeout_s
-                        if msg.get("first")
-                        else self.collector.hang_timeout_s
-                    ),
-                )
-            details.pop("rule")
-            details.pop("step")
-            self._apply(
-                rc.Recover(
-                    rule=d.rule,
-                    reason=d.reason,
-                    step=d.step,
-                    settings=rc.Settings.from_policy(d.recovery),
+                rc.RankExited(
+                    rank=msg["rank"],
+                    generation=gen,
+                    code=msg["code"],
+                    first=bool(msg.get("first")),
+                    teardown_code=msg.get("teardown_code"),
                     details=details,
                 )
             )
-        elif d.action == "stop":
-            self._apply(rc.StopRequested(f"policy rule {d.rule}: {d.reason}"))
-        else:  # notify / checkpoint (no rank-side request channel yet): an alert for the notifiers
-            resolved = bool(getattr(d, "resolved", False))
-            self._event(
-                {
-                    "kind": "alert",
-                    "reason": d.reason,
-                    "incident": None,
-                    "resolved": resolved,
-                    **details,
-                }
+
+    def _observation(self, d: Any, msg: dict[str, Any]) -> rc.Observation:
+        """The machine's observation for an engine decision, with what the events should say."""
+        details: dict[str, Any] = {
+            "action": d.action,
+            "severity": d.severity,
+            "signal": d.signal,
+            "value": _jsonable(d.value),
+            "rank": d.rank,
+            "layer": d.layer,
+        }
+        if d.action == "stop":
+            return rc.StopRequested(f"policy rule {d.rule}: {d.reason}")
+        if d.action != "recover":  # notify / checkpoint: an alert for the notifiers
+            details.update(rule=d.rule, step=d.step)
+            return rc.Notify(d.reason, resolved=bool(d.resolved), details=details)
+        view = self.collector.ranks.get(d.rank) if d.rank is not None else None
+        details.update(
+            loss=_jsonable(view.loss if view else msg.get("loss")),
+            grad_norm=_jsonable(view.grad_norm if view else msg.get("grad_norm")),
+            grade=view.summary.get("grade") if view else None,
+            context=self._context(d.rank),
+        )
+        if msg["type"] == "exit":
+            details.update(exit_code=msg.get("code"), log_tail=msg.get("log_tail", ""))
+            if msg.get("lost"):
+                details["lost"] = msg["lost"]
+        elif msg["type"] == "hang":
+            details.update(
+                first_heartbeat=bool(msg.get("first")),
+                heartbeat_age_s=msg.get("age_s"),
+                timeout_s=msg.get("timeout_s"),
             )
+        settings = rc.Settings.from_policy(d.recovery)
+        return rc.Recover(d.rule, d.reason, d.step, settings, details=details)
 
     def _context(self, rank: int | None) -> dict[str, list[Any]]:
         """The recent samples of the rank that fired (rank 0 for run-wide rules), for the chart."""
         want = 0 if rank is None else rank
-        hist = [h for h in self.collector.history if h["rank"] == want] or list(
-            self.collector.history
-        )
+        hist = [h for h in self.collector.history if h["rank"] == want]
+        hist = hist or list(self.collector.history)
         keys = ("step", "grade", "attn_entropy_min", "loss", "max_logit")
         return {
             k + ("s" if k == "step" else ""): [_jsonable(h.get(k)) for h in hist[-60:]]
@@ -323,6 +232,8 @@ class Controller:
 
     # -- the state machine and its effects -------------------------------------------------------
     def _apply(self, obs: rc.Observation) -> None:
+        """Step the machine, journal its events, carry out its effects (whose outcomes are the
+        next observations) until nothing is left to do."""
         queue: list[rc.Observation] = [obs]
         while queue:
             t = rc.step(self.state, queue.pop(0))
@@ -330,80 +241,56 @@ class Controller:
             for ev in t.events:
                 self._event(ev)
             for eff in t.effects:
-                nxt = self._effect(eff)
-                if nxt is not None:
-                    queue.append(nxt)
+                outcome = self._effects[type(eff)](eff)
+                if outcome is not None:
+                    queue.append(outcome)
 
-    def _effect(self, eff: rc.Effect) -> rc.Observation | None:
-        if isinstance(eff, rc.Kill):
-            if self.collector.generation is not None and hasattr(self.engine, "retire"):
-                self.engine.retire(self.collector.generation)
-            self.collector.fence()
-            self._write_fence(rc.next_generation(self.state))
-            res = self.group.kill(self.kill_grace_s)
-            if not isinstance(res, dict):
-                res = {"duration_s": float(res)}
-            return rc.Killed(
-                tuple(range(self.collector.world_size)),
-                res["duration_s"],
-                tuple(res.get("forced", ())),
-                tuple(res.get("unreachable", ())),
-            )
-        if isinstance(eff, rc.SelectCheckpoint):
-            return self._select(eff)
-        if isinstance(eff, rc.Launch):
-            return self._launch(eff.plan, eff.backoff_attempt)
-        if isinstance(eff, rc.Shutdown):
-            self.collector.fence()
-            return None
-        raise TypeError(eff)
+    def _kill(self, eff: rc.Kill) -> rc.Killed:
+        """Fence the generation (supervisor side, then FENCE for the ranks) and kill it."""
+        if self.collector.generation is not None:
+            self.engine.retire(self.collector.generation)
+        self.collector.fence()
+        self._write_fence(rc.next_generation(self.state))
+        report = self.group.kill(self.kill_grace_s)
+        ranks = tuple(range(self.collector.world_size))
+        return rc.Killed(ranks, report.duration_s, report.forced, report.unreachable)
 
     def _select(self, eff: rc.SelectCheckpoint) -> rc.CheckpointChosen:
-        infos = [
-            i
-            for i in ckpt.list_checkpoints(self.ckpt_dir)
-            if self._on_lineage(i.generation, i.step)
-        ]
+        """The newest checkpoint that qualifies and verifies (read from the sidecars)."""
+        infos = ckpt.list_checkpoints(self.ckpt_dir)
+        infos = [i for i in infos if _on_lineage(eff.lineage, i.generation, i.step)]
         chosen, skipped = ckpt.select_checkpoint(
             infos,
             min_grade=eff.min_grade,
             before_step=eff.before_step,
             min_steps_back=eff.min_steps_back,
         )
-        sk = tuple((s.path, why) for s, why in skipped)
+        passed_over = tuple((s.path, why) for s, why in skipped)
         if chosen is None:
-            return rc.CheckpointChosen(None, skipped=sk)
+            return rc.CheckpointChosen(None, skipped=passed_over)
         return rc.CheckpointChosen(
-            chosen.path, step=chosen.step, sha256=chosen.sha256, grade=chosen.grade, skipped=sk
+            chosen.path,
+            step=chosen.step,
+            sha256=chosen.sha256,
+            grade=chosen.grade,
+            skipped=passed_over,
         )
 
-    def _on_lineage(self, gen: int, step: int) -> bool:
-        """A checkpoint counts only if it lies on the path the current generation descends from."""
-        limit: float = float("inf")
-        for g, branched_at in reversed(self.lineage):
-            if gen == g:
-                return step <= limit
-            if branched_at is not None:
-                limit = min(limit, branched_at)
-        return False
-
-    def _launch(self, plan: rc.ResumePlan, backoff_attempt: int = 0) -> rc.Observation | None:
-        delay = rc.backoff_delay(backoff_attempt, self.backoff_base_s, self.backoff_max_s)
+    def _launch(self, eff: rc.Launch) -> rc.Observation:
+        """Wait the backoff, reap leftovers, write the plan and the fence, start the ranks."""
+        delay = rc.backoff_delay(eff.backoff_attempt, self.backoff_base_s, self.backoff_max_s)
         if delay and self._sleep(delay):
-            return rc.StopRequested(
-                self.stop_file.read_text(errors="replace").strip() or "stop requested"
-            )
+            return rc.StopRequested(self._stop_reason())
+        plan = eff.plan
         gen = plan.generation
         self._reap(gen, "rank processes that outlived their generation")
         plan_path = None
-        if plan != rc.ResumePlan(
-            generation=gen
-        ):  # anything but a plain fresh start travels as a plan file
+        if plan != rc.ResumePlan(generation=gen):  # anything but a fresh start travels as a file
             plan_path = str(self.run_dir / "plans" / f"gen{gen:03d}.json")
             rundir.write_atomic(Path(plan_path), plan.to_json(), fsync=True)
         self._write_fence(gen)
         try:
-            infos = self.group.launch(
+            ranks = self.group.launch(
                 generation=gen,
                 cmd=self.cmd,
                 env=self.env,
@@ -412,12 +299,21 @@ class Controller:
                 ckpt_dir=str(self.ckpt_dir),
             )
         except LaunchError as e:
-            return rc.LaunchFailed(f"launching generation {gen} failed: {e}", self.launch_retries)
-        self.lineage.append((gen, plan.checkpoint_step))
-        self.collector.new_generation(gen, self.journal.mono())
-        port = infos[0].get("port") if infos and isinstance(infos[0], dict) else None
-        ranks = tuple(i for i in infos if isinstance(i, dict))
-        return rc.Launched(gen, ranks=ranks, port=port, backoff_s=delay)
+            return rc.LaunchFailed(f"launching generation {gen} failed: {e}")
+        self.collector.new_generation(gen, self.journal.mono(), start_step=plan.start_step)
+        port = ranks[0].port if ranks else None
+        return rc.Launched(gen, ranks=tuple(r.to_dict() for r in ranks), port=port, backoff_s=delay)
+
+    def _shutdown(self, eff: rc.Shutdown) -> None:
+        self.collector.fence()
+
+    # -- the run directory ---------------------------------------------------------------------
+    def _stop_reason(self) -> str:
+        try:
+            text = self.stop_file.read_text(errors="replace").strip()
+        except OSError:
+            text = ""
+        return text or "stop requested"
 
     def _sleep(self, seconds: float) -> bool:
         """Sleep on the monotonic clock; True if a stop was requested meanwhile."""
@@ -433,10 +329,11 @@ class Controller:
         found = reaper.reap(str(self.ckpt_dir), below_generation, remote=self.remote_reap)
         if found:
             gens = sorted({p["generation"] for p in found})
+            inc = self.state.incident
             self._event(
                 {
-                    "kind": "reaped",
-                    "incident": self.state.incident.id if self.state.incident else None,
+                    "kind": Kind.REAPED.value,
+                    "incident": inc.id if inc else None,
                     "reason": f"killed {len(found)} {why} (generations {gens}) by pid",
                     "processes": found,
                 }
@@ -444,6 +341,10 @@ class Controller:
 
     def _write_fence(self, gen: int) -> None:
         rundir.write_atomic(self.fence_file, str(gen))
+
+    def _write_report(self, msg: dict[str, Any]) -> None:
+        self._reports.write((json.dumps(msg, separators=(",", ":")) + "\n").encode())
+        self._reports.flush()
 
     def _event(self, ev: dict[str, Any]) -> None:
         rec = self.journal.record(ev)
@@ -461,11 +362,15 @@ class Controller:
         self.journal.close()
 
 
-def _exit_details(msg: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"exit_code": msg.get("code"), "log_tail": msg.get("log_tail", "")}
-    if msg.get("lost"):
-        out["lost"] = msg["lost"]
-    return out
+def _on_lineage(lineage: tuple[tuple[int, int | None], ...], generation: int, step: int) -> bool:
+    """A checkpoint counts only if it lies on the path the current generation descends from."""
+    limit: float = float("inf")
+    for g, branched_at in reversed(lineage):
+        if generation == g:
+            return step <= limit
+        if branched_at is not None:
+            limit = min(limit, branched_at)
+    return False
 
 
 def _jsonable(x: Any) -> Any:

@@ -72,7 +72,7 @@ def story(run_dir: Path) -> None:
             continue
         print(f"  {ev['kind']:<17} {describe(ev)}")
     try:
-        from .observe import plot_run
+        from .observe.plots import plot_run
 
         png = plot_run(run_dir)
         print(f"\ncurves (loss, grade, min-head attention entropy per generation): {png}")

@@ -108,3 +108,49 @@ INCIDENT_STATE: dict[Kind, IncidentState] = {
     Kind.FAILED: IncidentState.ESCALATED,
 }
 """The incident state an event of this kind leads to (other kinds leave it as it is)."""
+
+
+class Reason(str, enum.Enum):
+    """Why the recovery machine wrote an event: the ``code`` beside the prose ``reason``."""
+
+    # launches
+    INITIAL_LAUNCH = "initial_launch"
+    RELAUNCH_AFTER_ROLLBACK = "relaunch_after_rollback"
+    RELAUNCH_AFTER_LAUNCH_FAILURE = "relaunch_after_launch_failure"
+    RELAUNCH_AFTER_RESTART = "relaunch_after_restart"
+    LAUNCH_FAILED = "launch_failed"
+    """A launch did not come up; it is retried (outside the incident budget)."""
+    LAUNCH_RETRIES_SPENT = "launch_retries_spent"
+    # an incident and its recovery steps
+    RULE_FIRED = "rule_fired"
+    """A recover rule opened an incident (or fired again after a failed probation)."""
+    RANKS_KILLED = "ranks_killed"
+    CHECKPOINT_CHOSEN = "checkpoint_chosen"
+    NO_HEALTHY_CHECKPOINT = "no_healthy_checkpoint"
+    LR_CUT = "lr_cut"
+    OPTIMIZER_RESET = "optimizer_reset"
+    PROBATION_WINDOW = "probation_window"
+    RECOVER_IN_PROBATION = "recover_in_probation"
+    WINDOW_PASSED = "window_passed"
+    FINISHED_IN_PROBATION = "finished_in_probation"
+    # giving up
+    BUDGET_SPENT = "budget_spent"
+    RECURRING_FAULT = "recurring_fault"
+    """The same rule at the same step on consecutive attempts: deterministic, fail fast."""
+    TOO_MANY_INCIDENTS = "too_many_incidents"
+    # the run ends
+    ALL_RANKS_FINISHED = "all_ranks_finished"
+    STOP_REQUESTED = "stop_requested"
+    CRASH_WITHOUT_RULE = "crash_without_rule"
+    # a restarted supervisor
+    RESUME_FROM_CHECKPOINT = "resume_from_checkpoint"
+    RESUME_FROM_START = "resume_from_start"
+    RESUME_CHECKPOINT_GONE = "resume_checkpoint_gone"
+    # notes
+    RULE_NOTIFY = "rule_notify"
+    RULE_RESOLVED = "rule_resolved"
+    TEARDOWN_EXIT = "teardown_exit"
+    """A rank said ``done`` and then died in teardown: counted as finished."""
+
+    def __str__(self) -> str:
+        return self.value

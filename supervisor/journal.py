@@ -5,9 +5,12 @@ for a restarted supervisor. One JSON object a line; each append is flushed
 and fsynced before ``append`` returns, so an event that was acted upon is on
 disk. A torn last line (the supervisor died mid-write) is ignored on read.
 
-Every event has ``seq``, ``kind``, ``time`` (ISO-8601 UTC), ``mono``
-(seconds on the supervisor's monotonic clock since it started), ``run``,
-``incident`` (or null) and ``reason``, plus the kind's own fields.
+Every event has ``seq``, ``kind`` (:class:`~.events.Kind`), ``time`` (ISO-8601 UTC), ``mono``
+(seconds on the supervisor's monotonic clock since it started), ``run``, ``incident`` (or null)
+and ``reason``, plus the kind's own fields. The recovery machine's events also have ``code``
+(:class:`~.events.Reason`); the first event of each of its transitions that changed its state
+records the observations that caused it (``obs``) and a fingerprint of the state after it
+(``state_digest``): replaying ``obs`` through the machine rebuilds that state (``fold``).
 """
 
 from __future__ import annotations
@@ -21,32 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-JOURNAL_NAME = "journal.jsonl"
+from .events import Kind
 
-#: The recovery story's kinds (``spikeguard events`` documents these), then the bookkeeping ones.
-KINDS = (
-    "launch",
-    "incident",
-    "kill",
-    "rollback",
-    "lr_cut",
-    "optimizer_reset",
-    "probation_start",
-    "probation_progress",
-    "probation_passed",
-    "probation_failed",
-    "escalated",
-    "completed",
-    "failed",
-    "stopped",
-    "alert",
-    "supervisor_start",
-    "notify_thread",
-    "notify_undelivered",
-    "launch_failed",
-    "resume",
-    "reaped",
-)
+JOURNAL_NAME = "journal.jsonl"
 
 
 class Journal:
@@ -73,8 +53,11 @@ class Journal:
         return self._mono_base + (time.monotonic() - self._t0)
 
     def append(self, kind: str, **fields: Any) -> dict[str, Any]:
-        if kind not in KINDS:
-            raise ValueError(f"unknown journal kind {kind!r}")
+        """Append one event of ``kind`` (a :class:`~.events.Kind` value); returns it as written."""
+        try:
+            kind = Kind(kind).value
+        except ValueError:
+            raise ValueError(f"unknown journal kind {kind!r}") from None
         with self._lock:
             self._seq += 1
             ev = {

@@ -13,36 +13,11 @@ from . import recovery as rc
 from . import rundir
 from .console import ConsoleNotifier, LiveView
 from .controller import Controller
+from .events import TERMINAL_KINDS, Kind
 from .job import JobSpec
 from .journal import read_events
-from .workers import GroupSpec, WorkerGroup, python_cmd
-
-EXIT_FAILED, EXIT_BAD_INPUT = ExitCode.FAILED, ExitCode.BAD_INPUT  # kept for callers of run_job
-
-
-def init_ray(job: JobSpec) -> bool:
-    """Attach to ``job.ray.address`` or start an embedded local Ray. Returns True if we started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    kw: dict[str, Any] = {
-        "include_dashboard": False,
-        "log_to_driver": False,
-        "namespace": "spikeguard",
-    }
-    if job.ray.address:
-        ray.init(address=job.ray.address, **kw)
-        return False
-    need = int(job.workers * max(job.cpus_per_worker, 0) + 0.999)
-    # address="local": always a fresh embedded instance, never a cluster that happens to run here
-    ray.init(
-        address="local",
-        num_cpus=job.ray.num_cpus or max(need, os.cpu_count() or 1),
-        object_store_memory=job.ray.object_store_mb * 1024 * 1024,
-        **kw,
-    )
-    return True
+from .launch.group import GroupSpec, WorkerGroup, python_cmd
+from .launch.ray_init import init_ray
 
 
 def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> list[Any]:
@@ -83,9 +58,16 @@ def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> l
 
 
 def finished_outcome(events: list[dict[str, Any]]) -> rc.State | None:
-    """The folded state if the journal ends the run (completed, failed, escalated, stopped), else None."""
+    """The folded state if the journal ends the run (completed, failed, escalated, stopped)."""
     st = rc.fold(events)
     return st if st.phase in rc.TERMINAL else None
+
+
+def replayable(events: list[dict[str, Any]]) -> bool:
+    """False for the journal of an older spikeguard: launches recorded without the observations
+    a restarted supervisor replays (it can be read, not continued)."""
+    launched = any(e.get("kind") == Kind.LAUNCH for e in events)
+    return not launched or any("obs" in e for e in events)
 
 
 def run_job(job: JobSpec, *, live: bool = True) -> int:
@@ -101,28 +83,30 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
     policy = load_policy(job.policy)
     run_dir = job.resolved_run_dir()
     events = read_events(run_dir)
-    done = finished_outcome(events) if events else None
-    if done is not None:
-        last = next(
-            (
-                e
-                for e in reversed(events)
-                if e["kind"] in ("completed", "failed", "escalated", "stopped")
-            ),
-            {},
-        )
+    if not replayable(events):
         print(
-            f"spikeguard: run {job.name} in {run_dir} already finished: {done.phase.value.lower()} "
-            f"(exit code {done.exit_code}) at {last.get('time', '?')}: {last.get('reason', '')}. Nothing to do; "
-            "its journal is final. Use another --run-dir or --name for a new run.",
+            f"spikeguard: {run_dir} holds the journal of an older spikeguard, which a restart "
+            "cannot replay; it can be read (spikeguard events) but not continued. Use another "
+            "--run-dir or --name for a new run.",
             flush=True,
         )
-        return done.exit_code if done.exit_code is not None else EXIT_FAILED
+        return ExitCode.BAD_INPUT
+    done = finished_outcome(events) if events else None
+    if done is not None:
+        last = next((e for e in reversed(events) if e["kind"] in TERMINAL_KINDS), {})
+        print(
+            f"spikeguard: run {job.name} in {run_dir} already finished: "
+            f"{done.phase.value.lower()} (exit code {done.exit_code}) at "
+            f"{last.get('time', '?')}: {last.get('reason', '')}. Nothing to do; its journal is "
+            "final. Use another --run-dir or --name for a new run.",
+            flush=True,
+        )
+        return done.exit_code if done.exit_code is not None else ExitCode.FAILED
     try:
         lock = rundir.acquire_lock(run_dir)
     except rundir.LockHeld as e:
         print(f"spikeguard: {e}", flush=True)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     t = job.timeouts
     started = init_ray(job)
     group = WorkerGroup(

@@ -11,6 +11,7 @@ from spikeguard.policies import Engine, load_policy
 from spikeguard.supervisor import recovery as rc
 from spikeguard.supervisor.collector import Collector
 from spikeguard.supervisor.controller import Controller
+from spikeguard.supervisor.launch.types import KillReport, LaunchedRank, RankPoll
 
 POLICY = Path(__file__).parent / "data" / "toy_policy.yaml"
 
@@ -26,7 +27,10 @@ class FakeGroup:
 
     def launch(self, *, generation, **_):
         self.gen = generation
-        return [{"rank": r, "pid": 1000 + r, "port": 1} for r in range(2)]
+        return [
+            LaunchedRank(rank=r, pid=1000 + r, generation=generation, report="-", port=1)
+            for r in range(2)
+        ]
 
     def poll(self):
         self.step += 1
@@ -50,14 +54,12 @@ class FakeGroup:
                     ).encode()
                 ]
             )
-            out.append(
-                {"rank": r, "generation": self.gen, "lines": lines, "overflow": 0, "exit": None}
-            )
+            out.append(RankPoll(rank=r, generation=self.gen, lines=tuple(lines)))
         return out
 
     def kill(self, grace_s=0.0):
         self.killed += 1
-        return {"duration_s": 0.0}
+        return KillReport(duration_s=0.0)
 
 
 def test_collector_hangs_depend_only_on_the_time_passed_in():

@@ -60,7 +60,7 @@ def test_fold_equals_the_live_state_after_every_journaled_transition():
     r.feed(rc.Killed((0, 1), 0.2, forced=(1,)))
     r.feed(ckpt(200))
     r.feed(launched(2))
-    r.feed(rc.LaunchFailed("rank 1 exited 1 before its first heartbeat", 3, rank=1, exit_code=1))
+    r.feed(rc.LaunchFailed("rank 1 exited 1 before its first heartbeat", rank=1, exit_code=1))
     r.feed(rc.Killed((0, 1), 0.1))  # ignored while relaunching
     r.feed(launched(3))
     r.feed(recover(260))  # probation fails: attempt 2
@@ -86,15 +86,16 @@ def test_fold_equals_the_live_state_after_every_journaled_transition():
 )
 def test_fold_of_every_terminal_outcome(end):
     r = Run()
-    r.feed(rc.Start())
+    r.feed(rc.Start(launch_retries=1 if end == "launch_gave_up" else 3))
     r.feed(launched(1))
     if end == "stopped":
         r.feed(rc.StopRequested("user"))
     elif end == "failed":
-        r.feed(rc.Failed("rank 1 exited with code 3", exit_code=1, details={"rank_exit_code": 3}))
+        r.feed(rc.RankExited(rank=1, generation=1, code=3))
+        assert r.journal[-1]["rank_exit_code"] == 3
     elif end == "launch_gave_up":
         for gen in (2, 3):
-            r.feed(rc.LaunchFailed("port in use", 1, rank=0, exit_code=1))
+            r.feed(rc.LaunchFailed("port in use", rank=0, exit_code=1))
             if gen == 2:
                 r.feed(launched(2))
     else:
@@ -185,7 +186,6 @@ def test_launch_failures_are_retried_outside_the_budget_with_backoff_then_fail()
         t = r.feed(
             rc.LaunchFailed(
                 "rank 0 exited with code 1 before its first heartbeat",
-                3,
                 rank=0,
                 exit_code=1,
                 details={"log_tail": "EADDRINUSE"},
@@ -199,9 +199,7 @@ def test_launch_failures_are_retried_outside_the_budget_with_backoff_then_fail()
     assert attempts == [1, 2, 3]
     assert r.journal[-2]["log_tail"] == "EADDRINUSE"
     t = r.feed(
-        rc.LaunchFailed(
-            "rank 0 exited with code 1 before its first heartbeat", 3, rank=0, exit_code=1
-        )
+        rc.LaunchFailed("rank 0 exited with code 1 before its first heartbeat", rank=0, exit_code=1)
     )
     assert r.state.phase is rc.Phase.FAILED and r.state.exit_code == 1
     assert (
@@ -216,7 +214,7 @@ def test_a_launch_failure_after_a_rollback_keeps_the_incident_and_still_starts_p
     for obs in (rc.Start(), launched(1), recover(250), rc.Killed((0, 1), 0.1), ckpt(200)):
         r.feed(obs)
     t = r.feed(
-        rc.LaunchFailed("launching generation 2 failed: placement", 3)
+        rc.LaunchFailed("launching generation 2 failed: placement")
     )  # the Launch effect itself failed
     assert t.effects[-1].plan.generation == 3 and t.effects[-1].plan.lr_scale == pytest.approx(0.5)
     r.feed(launched(3))
@@ -255,6 +253,10 @@ def journal_until(kind: str, nth: int = 1) -> list[dict[str, Any]]:
     raise AssertionError(kind)
 
 
+LINEAGE_3 = ((1, None), (2, 200), (3, 600))
+"""The lineage after journal_until's three launches: fresh, then from 200, then from 600."""
+
+
 def restarted(events: list[dict[str, Any]], highest: int = 0) -> tuple[rc.State, rc.Transition]:
     st = rc.fold(events)
     return st, rc.step(st, rc.Restarted(S, highest_generation=highest))
@@ -271,7 +273,9 @@ def test_restart_after_the_incident_finishes_the_kill_without_a_second_incident(
 def test_restart_after_the_kill_chooses_the_checkpoint_for_the_same_incident():
     st, t = restarted(journal_until("kill", 2))
     assert st.phase is rc.Phase.ROLLING_BACK
-    assert t.effects == (rc.SelectCheckpoint(min_grade=4, before_step=700, min_steps_back=0),)
+    assert t.effects == (
+        rc.SelectCheckpoint(min_grade=4, before_step=700, min_steps_back=0, lineage=LINEAGE_3[:2]),
+    )
 
 
 def test_restart_after_the_rollback_launches_the_journaled_plan_with_the_cut_lr():
@@ -299,7 +303,9 @@ def test_restart_in_probation_resumes_from_the_newest_healthy_checkpoint_and_kee
     events = journal_until("probation_start", 2)
     st, t = restarted(events)
     assert st.phase is rc.Phase.PROBATION and t.state.phase is rc.Phase.RESUMING
-    assert t.effects == (rc.SelectCheckpoint(min_grade=4, before_step=None, min_steps_back=0),)
+    assert t.effects == (
+        rc.SelectCheckpoint(min_grade=4, before_step=None, min_steps_back=0, lineage=LINEAGE_3),
+    )
     t2 = rc.step(t.state, ckpt(640))
     (launch,) = t2.effects
     assert launch.plan.checkpoint_step == 640 and launch.plan.generation == 4
@@ -368,5 +374,5 @@ def test_fold_ignores_bookkeeping_and_unknown_events_and_lineage_follows_launche
         {"kind": "from-the-future"},
     ] + evs
     assert rc.fold(noisy) == rc.fold(evs)
-    assert rc.lineage(evs) == [(1, None), (2, 200), (3, 600)]
+    assert rc.fold(evs).lineage == ((1, None), (2, 200), (3, 600))
     assert rc.fold([]) == rc.State()

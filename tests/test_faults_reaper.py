@@ -9,7 +9,7 @@ import sys
 import time
 
 from conftest import alive
-from spikeguard.supervisor import reaper
+from spikeguard.supervisor.launch import reaper
 
 
 def spawn(ckpt_dir: str, gen: int) -> subprocess.Popen:

@@ -40,7 +40,7 @@ def test_a_rank_ignoring_sigterm_is_sigkilled_after_the_grace_period(ray_local, 
 def test_a_port_in_use_at_launch_is_retried_with_a_fresh_port_outside_the_budget(
     ray_local, tmp_path, monkeypatch
 ):
-    from spikeguard.supervisor.workers import WorkerGroup
+    from spikeguard.supervisor.launch.group import WorkerGroup
 
     squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     squatter.bind(("", 0))

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from conftest import SCRIPTS, When, alive, events, launch_of, reports
 from fakeslack import TOKEN, FakeSlack
-from spikeguard.supervisor import reaper
+from spikeguard.supervisor import recovery as rc
 from spikeguard.supervisor.journal import Journal
+from spikeguard.supervisor.launch import reaper
 from spikeguard.workers.checkpoint import list_checkpoints
 
 POLICY = Path(__file__).parent / "data" / "toy_policy.yaml"
@@ -174,13 +175,29 @@ def test_a_supervisor_killed_mid_recovery_and_mid_training_resumes_from_the_jour
     assert any(t.startswith("[inc-001] RESOLVED: probation passed") for t in said)
 
 
-def journal(run_dir: Path, *kinds: str) -> None:
+def journal(run_dir: Path, end: str | None = None) -> None:
+    """A real journal of a run launched once and then ended by ``end`` (or still running): the
+    machine's own events, as a supervisor writes them."""
+    steps: list[rc.Observation] = [rc.Start(), rc.Launched(1, port=1)]
+    if end == "completed":
+        steps.append(rc.Finished(1.0))
+    elif end == "stopped":
+        steps.append(rc.StopRequested("stopped (test)"))
+    elif end == "failed":
+        steps.append(rc.RankExited(rank=0, generation=1, code=1))
+    elif end == "escalated":
+        steps += [
+            rc.Recover("r", "collapse (test)", 10, rc.Settings()),
+            rc.Killed((0, 1), 0.0),
+            rc.CheckpointChosen(None),
+        ]
     j = Journal(run_dir, run="toy")
-    for k in kinds:
-        fields = {"generation": 1, "cause": "initial"} if k == "launch" else {}
-        if k == "failed":
-            fields["exit_code"] = 1
-        j.append(k, reason=f"{k} (test)", **fields)
+    state = rc.State()
+    for obs in steps:
+        t = rc.step(state, obs)
+        state = t.state
+        for ev in t.events:
+            j.record(ev)
     j.close()
 
 
@@ -192,26 +209,42 @@ def test_a_finished_run_is_not_restarted(tmp_path, capsys, end, code):
     from spikeguard.supervisor.runner import run_job
 
     job = toy_job(tmp_path, policy=POLICY)
-    journal(Path(job.run_dir), "launch", end)
+    journal(Path(job.run_dir), end)
+    before = events(Path(job.run_dir))
+    assert before[0]["kind"] == "launch" and before[-1]["kind"] == end
     t0 = time.monotonic()
     assert run_job(job, live=False) == code
     assert f"already finished: {end}" in capsys.readouterr().out
-    assert time.monotonic() - t0 < 10 and [e["kind"] for e in events(Path(job.run_dir))] == [
-        "launch",
-        end,
-    ]
+    assert time.monotonic() - t0 < 10 and events(Path(job.run_dir)) == before  # nothing ran
 
 
 def test_a_run_another_supervisor_holds_is_refused(tmp_path, capsys):
     from conftest import toy_job
     from spikeguard.supervisor import rundir
-    from spikeguard.supervisor.runner import EXIT_BAD_INPUT, run_job
+    from spikeguard.supervisor.runner import run_job
+    from spikeguard.workers.contract import ExitCode
 
     job = toy_job(tmp_path, policy=POLICY)
-    journal(Path(job.run_dir), "launch")
+    journal(Path(job.run_dir))
     held = rundir.acquire_lock(Path(job.run_dir))
     try:
-        assert run_job(job, live=False) == EXIT_BAD_INPUT
+        assert run_job(job, live=False) == ExitCode.BAD_INPUT
         assert "another supervisor holds" in capsys.readouterr().out
     finally:
         held.close()
+
+
+def test_the_journal_of_an_older_spikeguard_is_refused_not_restarted(tmp_path, capsys):
+    from conftest import toy_job
+    from spikeguard.supervisor.runner import run_job
+    from spikeguard.workers.contract import ExitCode
+
+    job = toy_job(tmp_path, policy=POLICY)
+    j = Journal(Path(job.run_dir), run="toy")  # events as an older spikeguard wrote them: no obs
+    j.append("launch", reason="initial launch", generation=1, cause="initial")
+    j.append("incident", reason="collapse", rule="r", step=10)
+    j.close()
+    before = events(Path(job.run_dir))
+    assert run_job(job, live=False) == ExitCode.BAD_INPUT
+    assert "older spikeguard" in capsys.readouterr().out
+    assert events(Path(job.run_dir)) == before

@@ -40,7 +40,10 @@ def test_killed_asks_for_checkpoint_before_incident_minus_steps_back():
     t = rc.step(s, rc.Killed((0, 1), 0.4))
     assert t.state.phase is rc.Phase.ROLLING_BACK
     assert kinds(t) == ["kill"] and t.events[0]["ranks"] == [0, 1]
-    assert t.effects == (rc.SelectCheckpoint(min_grade=4, before_step=1200, min_steps_back=50),)
+    # only checkpoints on the lineage of generation 1 (launched from scratch) qualify
+    assert t.effects == (
+        rc.SelectCheckpoint(min_grade=4, before_step=1200, min_steps_back=50, lineage=((1, None),)),
+    )
 
 
 def to_rolling_back() -> rc.State:
@@ -169,7 +172,7 @@ def test_finish_during_probation_passes_then_completes():
 
 
 def test_failure_and_stop_are_terminal_and_absorbing():
-    t = rc.step(running(), rc.Failed("rank 1 exited 1", exit_code=1))
+    t = rc.step(running(), rc.RankExited(rank=1, generation=1, code=1))
     assert t.state.phase is rc.Phase.FAILED and kinds(t) == ["failed"]
     assert rc.step(t.state, recover()).state is t.state
     t = rc.step(running(), rc.StopRequested("user"))

@@ -6,13 +6,17 @@ import enum
 
 
 class ExitCode(enum.IntEnum):
+    """Exit codes of ``spikeguard`` (``submit`` and every other command)."""
+
     COMPLETED = 0
+    """The run completed (for the other commands: done, no problem)."""
+    OK = 0
     FAILED = 1
     """A rank crashed with no rule recovering it, or launches kept failing."""
     BAD_INPUT = 2
     """A job or policy file is invalid, or the run directory is held by another supervisor."""
     ESCALATED = 3
-    """The recovery budget is spent, no healthy checkpoint exists, or the job is held for a human."""
+    """The recovery budget is spent, no healthy checkpoint exists, or the job is held."""
     STOPPED = 5
     """Stopped by ``spikeguard stop`` or a policy ``stop`` rule."""
     INTERRUPTED = 130

@@ -10,7 +10,6 @@ a new placement group and new agents, on the nodes that are alive then.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
@@ -23,25 +22,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from spikeguard.workers import contract
 
 from .agent import RankAgent
-from .errors import LaunchError
+from .types import GroupSpec, KillReport, LaunchedRank, LaunchError, NodeInfo, RankKill, RankPoll
 
 __all__ = ["GroupSpec", "LaunchError", "WorkerGroup", "python_cmd"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GroupSpec:
-    world_size: int
-    """Number of ranks."""
-    cpus_per_worker: float = 1.0
-    """CPUs reserved per rank in the placement group."""
-    gpus_per_worker: float = 0.0
-    """GPUs reserved per rank."""
-    strategy: str = "PACK"
-    """Placement group strategy (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)."""
-    placement_timeout_s: float = 120.0
-    """How long to wait for the gang to be placed before failing the launch."""
-    agent_timeout_s: float = 30.0
-    """An agent that has not answered a poll for this long is lost (its node is frozen or gone)."""
 
 
 class WorkerGroup:
@@ -53,7 +36,7 @@ class WorkerGroup:
         self.run_dir = os.path.abspath(run_dir)
         self._pg: Any = None
         self._agents: list[Any] = []
-        self._nodes: list[dict[str, Any]] = []
+        self._nodes: list[NodeInfo] = []
         self._pending: dict[int, tuple[Any, float]] = {}  # rank -> (poll ref in flight, sent at)
         self._lost: dict[int, str] = {}  # rank -> why its agent is gone
         self._builds = 0
@@ -146,24 +129,23 @@ class WorkerGroup:
         plan_path: str | None,
         fence_file: str,
         ckpt_dir: str,
-    ) -> list[dict[str, Any]]:
+    ) -> list[LaunchedRank]:
         """Start generation ``generation``: a fresh master port, torchrun env per rank.
 
-        Rebuilds the gang first if an agent was lost. Returns per rank: rank, pid, generation,
-        report, port, node_id, host, ip, agent_pid.
+        Rebuilds the gang first if an agent was lost. Raises :class:`LaunchError` when the gang
+        cannot be placed or started.
         """
         try:
             if not self._healthy():
                 self.rebuild()
-            master_ip = self._nodes[0]["ip"]
+            master_ip = self._nodes[0].ip
             port = self._pick_port()
         except (RayError, GetTimeoutError) as e:
             raise LaunchError(
                 f"preparing generation {generation} failed: {type(e).__name__}: {e}"[:500]
             ) from e
-        if (
-            self._pending
-        ):  # a slow poll still in flight must drain the old generation, not the new one
+        if self._pending:
+            # a slow poll still in flight must drain the old generation, not the new one
             ray.wait(
                 [ref for ref, _ in self._pending.values()],
                 num_returns=len(self._pending),
@@ -172,10 +154,10 @@ class WorkerGroup:
             self._pending = {}
         by_node: dict[str, list[int]] = {}
         for r, n in enumerate(self._nodes):
-            by_node.setdefault(n["node_id"], []).append(r)
+            by_node.setdefault(n.node_id, []).append(r)
         calls = []
         for r, agent in enumerate(self._agents):
-            peers = by_node[self._nodes[r]["node_id"]]
+            peers = by_node[self._nodes[r].node_id]
             rank_env = dict(env)
             rank_env.update(
                 {
@@ -206,25 +188,9 @@ class WorkerGroup:
                 f"launching generation {generation} failed: {type(e).__name__}: {e}"[:500]
             ) from e
         self._pending, self._generation = {}, generation
-        out = []
-        for r, st in enumerate(started):
-            n = self._nodes[r]
-            out.append(
-                {
-                    "rank": r,
-                    "pid": st["pid"],
-                    "generation": generation,
-                    "report": st["report"],
-                    "port": port,
-                    "node_id": n["node_id"],
-                    "host": n["host"],
-                    "ip": n["ip"],
-                    "agent_pid": n["pid"],
-                }
-            )
-        return out
+        return list(started)
 
-    def poll(self, timeout_s: float = 0.5) -> list[dict[str, Any]]:
+    def poll(self, timeout_s: float = 0.5) -> list[RankPoll]:
         """One poll result per rank that answered; a lost agent reads as exit code -9 with ``lost``.
 
         Never waits longer than ``timeout_s``: a slow agent's poll stays in flight and is collected
@@ -236,7 +202,7 @@ class WorkerGroup:
                 self._pending[r] = (a.poll.remote(), now)
         refs = [ref for ref, _ in self._pending.values()]
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
-        out: list[dict[str, Any]] = []
+        out: list[RankPoll] = []
         for r, (ref, sent) in sorted(self._pending.items()):
             if ref in ready:
                 del self._pending[r]
@@ -255,27 +221,24 @@ class WorkerGroup:
                 )
         return out
 
-    def _mark_lost(self, rank: int, why: str) -> dict[str, Any]:
+    def _mark_lost(self, rank: int, why: str) -> RankPoll:
+        """Remember that ``rank``'s agent is gone; its poll reads as the rank exiting with -9."""
         self._lost[rank] = why[:300]
-        node = self._nodes[rank] if rank < len(self._nodes) else {}
-        return {
-            "rank": rank,
-            "generation": self._generation,
-            "lines": [],
-            "overflow": 0,
-            "exit": -9,
-            "rx_age_s": None,
-            "pid": None,
-            "lost": self._lost[rank],
-            "node_id": node.get("node_id"),
-            "host": node.get("host"),
-        }
+        node = self._nodes[rank] if rank < len(self._nodes) else None
+        return RankPoll(
+            rank=rank,
+            generation=self._generation,
+            exit_code=-9,
+            lost=self._lost[rank],
+            node_id=node.node_id if node else None,
+            host=node.host if node else None,
+        )
 
-    def kill(self, grace_s: float = 0.0) -> dict[str, Any]:
+    def kill(self, grace_s: float = 0.0) -> KillReport:
         """Kill every reachable rank's process tree (agents stay up).
 
-        Returns ``duration_s``, ``forced`` (ranks that ignored SIGTERM for the grace period) and
-        ``unreachable`` (ranks whose agent is lost or did not answer: fenced, reaped later).
+        Ranks whose agent is lost or does not answer within ``grace_s + 15`` seconds are
+        reported ``unreachable`` (fenced, reaped later by pid).
         """
         t0 = time.monotonic()
         refs = {
@@ -283,29 +246,27 @@ class WorkerGroup:
         }
         unreachable = set(self._lost)
         forced: list[int] = []
-        ready, _ = (
-            ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace_s + 15.0)
-            if refs
-            else ([], [])
-        )
+        ready: list[Any] = []
+        if refs:
+            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace_s + 15.0)
         for r, ref in refs.items():
             if ref not in ready:
                 unreachable.add(r)
                 self._lost.setdefault(r, "agent did not answer the kill")
                 continue
             try:
-                res = ray.get(ref)
+                res: RankKill = ray.get(ref)
             except RayError as e:
                 unreachable.add(r)
                 self._lost.setdefault(r, f"{type(e).__name__}: {e}"[:300])
                 continue
-            if res.get("forced"):
+            if res.forced:
                 forced.append(r)
-        return {
-            "duration_s": time.monotonic() - t0,
-            "forced": sorted(forced),
-            "unreachable": sorted(unreachable),
-        }
+        return KillReport(
+            duration_s=time.monotonic() - t0,
+            forced=tuple(sorted(forced)),
+            unreachable=tuple(sorted(unreachable)),
+        )
 
     def shutdown(self) -> None:
         if self._agents:

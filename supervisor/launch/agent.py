@@ -18,13 +18,15 @@ import threading
 import time
 from typing import Any
 
+from .types import LaunchedRank, NodeInfo, RankKill, RankPoll
+
 MAX_BUFFERED_LINES = 20000
 MAX_LINE_BYTES = 1 << 20
 LOG_TAIL_BYTES = 4096
 
 
 class RankAgent:
-    """Plain class; the supervisor wraps it with ``ray.remote`` (see ``workers.py``)."""
+    """Plain class; the supervisor wraps it with ``ray.remote`` (see :mod:`.group`)."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -42,15 +44,16 @@ class RankAgent:
         self._log: Any = None
 
     # -- placement facts ------------------------------------------------------------------
-    def node_info(self) -> dict[str, Any]:
+    def node_info(self) -> NodeInfo:
+        """Where this agent (and so its rank) runs."""
         import ray
 
-        return {
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "ip": ray.util.get_node_ip_address(),
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-        }
+        return NodeInfo(
+            node_id=ray.get_runtime_context().get_node_id(),
+            ip=ray.util.get_node_ip_address(),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
 
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -111,8 +114,8 @@ class RankAgent:
     # -- process lifecycle ------------------------------------------------------------------
     def start(
         self, *, generation: int, cmd: list[str], env: dict[str, str], cwd: str, log_path: str
-    ) -> dict[str, Any]:
-        """Start generation ``generation`` of this rank. Returns its pid and report address."""
+    ) -> LaunchedRank:
+        """Start generation ``generation`` of this rank (``env`` holds its torchrun variables)."""
         if self._proc is not None and self._proc.poll() is None:
             self.kill()
         sock = os.path.join(self._sockdir, f"r{self.rank}-g{generation}.sock")
@@ -140,9 +143,20 @@ class RankAgent:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-        return {"pid": self._proc.pid, "report": f"unix://{sock}", "generation": generation}
+        node = self.node_info()
+        return LaunchedRank(
+            rank=self.rank,
+            pid=self._proc.pid,
+            generation=generation,
+            report=f"unix://{sock}",
+            port=int(env.get("MASTER_PORT", 0)),
+            node_id=node.node_id,
+            host=node.host,
+            ip=node.ip,
+            agent_pid=node.pid,
+        )
 
-    def poll(self) -> dict[str, Any]:
+    def poll(self) -> RankPoll:
         """Drain buffered report lines; exit code (and the log's tail) if the process ended."""
         with self._lock:
             lines, self._lines = self._lines, []
@@ -150,19 +164,17 @@ class RankAgent:
             oversize, self._oversize = self._oversize, 0
             age = time.monotonic() - self._last_rx
         code = None if self._proc is None else self._proc.poll()
-        out = {
-            "rank": self.rank,
-            "generation": self._generation,
-            "lines": lines,
-            "overflow": overflow,
-            "oversize": oversize,
-            "exit": code,
-            "rx_age_s": age,
-            "pid": None if self._proc is None else self._proc.pid,
-        }
-        if code is not None:
-            out["log_tail"] = self._tail()
-        return out
+        return RankPoll(
+            rank=self.rank,
+            generation=self._generation,
+            lines=tuple(lines),
+            overflow=overflow,
+            oversize=oversize,
+            exit_code=code,
+            rx_age_s=age,
+            pid=None if self._proc is None else self._proc.pid,
+            log_tail=self._tail() if code is not None else "",
+        )
 
     def _tail(self) -> str:
         """The last few KiB of this generation's log (read once, after the process ended)."""
@@ -178,42 +190,39 @@ class RankAgent:
                 self._log_tail = f"(log {self._log_path} unreadable: {e})"
         return self._log_tail or ""
 
-    def kill(self, grace_s: float = 0.0) -> dict[str, Any]:
+    def kill(self, grace_s: float = 0.0) -> RankKill:
         """SIGKILL the rank's whole process group (after SIGTERM and ``grace_s`` if > 0).
 
-        Works while the rank is hung inside a collective or stopped (SIGSTOP). Returns
-        ``duration_s``, ``forced`` (SIGTERM was sent and ignored for the whole grace period)
-        and ``alive`` (still there after SIGKILL + 10 s: unkillable, e.g. stuck in the kernel).
+        Works while the rank is hung inside a collective or stopped (SIGSTOP). The result says
+        whether SIGTERM was ignored for the whole grace period (``forced``) and whether the
+        process is still there 10 s after SIGKILL (``alive``: stuck in the kernel).
         """
         t0 = time.monotonic()
         p = self._proc
-        out = {
-            "rank": self.rank,
-            "duration_s": 0.0,
-            "forced": False,
-            "alive": False,
-            "pid": None if p is None else p.pid,
-        }
         if p is None or p.poll() is not None:
-            return out
+            return RankKill(rank=self.rank, pid=None if p is None else p.pid)
+        forced = alive = False
         if grace_s > 0:
             _signal_group(p.pid, signal.SIGTERM)
-            _signal_group(
-                p.pid, signal.SIGCONT
-            )  # a stopped process can only handle SIGTERM once running
+            # a stopped process can only act on SIGTERM once it runs again
+            _signal_group(p.pid, signal.SIGCONT)
             try:
                 p.wait(grace_s)
             except subprocess.TimeoutExpired:
-                out["forced"] = True
-        _signal_group(
-            p.pid, signal.SIGKILL
-        )  # also any child left in the group after the leader exited
+                forced = True
+        # the whole group: also any child left behind after the leader exited
+        _signal_group(p.pid, signal.SIGKILL)
         try:
             p.wait(10.0)
         except subprocess.TimeoutExpired:
-            out["alive"] = True
-        out["duration_s"] = time.monotonic() - t0
-        return out
+            alive = True
+        return RankKill(
+            rank=self.rank,
+            duration_s=time.monotonic() - t0,
+            forced=forced,
+            alive=alive,
+            pid=p.pid,
+        )
 
     def ping(self) -> int:
         return self.rank

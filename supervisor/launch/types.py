@@ -1,0 +1,144 @@
+"""What crosses the seam between the launcher (Ray) and the controller: plain, typed records.
+
+The controller never sees a Ray object or an untyped dict: a launch returns one
+:class:`LaunchedRank` per rank, a poll one :class:`RankPoll` per rank that answered, a kill one
+:class:`KillReport`. No Ray here, so the controller and the tests import these without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+
+class LaunchError(RuntimeError):
+    """A generation could not be launched (placement, agents, the start calls).
+
+    The controller turns it into a launch failure, which is retried outside the incident budget.
+    """
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupSpec:
+    """The gang of ranks to place and run."""
+
+    world_size: int
+    """Number of ranks."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved per rank in the placement group."""
+    gpus_per_worker: float = 0.0
+    """GPUs reserved per rank."""
+    strategy: str = "PACK"
+    """Placement group strategy (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)."""
+    placement_timeout_s: float = 120.0
+    """How long to wait for the gang to be placed before failing the launch."""
+    agent_timeout_s: float = 30.0
+    """An agent that has not answered a poll for this long is lost (its node is frozen or gone)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeInfo:
+    """Where a rank agent runs."""
+
+    node_id: str
+    ip: str
+    host: str
+    pid: int
+    """The agent's own process."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchedRank:
+    """One rank of a generation that was started."""
+
+    rank: int
+    pid: int
+    """The training process (the leader of its own session)."""
+    generation: int
+    report: str
+    """The address the rank reports to (its agent's socket)."""
+    port: int
+    """The generation's MASTER_PORT."""
+    node_id: str | None = None
+    host: str | None = None
+    ip: str | None = None
+    agent_pid: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """For the journal's ``launch`` event (what fencing and reaping need later)."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankPoll:
+    """What one rank's agent had for the supervisor since the last poll."""
+
+    rank: int
+    generation: int | None
+    """The generation of the process the agent runs (None before the first launch)."""
+    lines: tuple[bytes, ...] = ()
+    """Report lines received, oldest first (each one JSON message, unvalidated)."""
+    overflow: int = 0
+    """Lines the agent dropped because its buffer was full."""
+    oversize: int = 0
+    """Lines the agent dropped because they were longer than its limit."""
+    exit_code: int | None = None
+    """The process's exit code once it ended (negative: killed by that signal)."""
+    rx_age_s: float | None = None
+    """Seconds since the agent last received anything from the rank."""
+    pid: int | None = None
+    log_tail: str = ""
+    """The end of the rank's log, once it exited."""
+    lost: str | None = None
+    """Why the agent itself is gone (node removed, frozen, partitioned): reads as exit -9."""
+    node_id: str | None = None
+    host: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankKill:
+    """One agent's answer to a kill."""
+
+    rank: int
+    duration_s: float = 0.0
+    forced: bool = False
+    """SIGTERM was sent and ignored for the whole grace period: SIGKILLed."""
+    alive: bool = False
+    """Still there 10 s after SIGKILL (stuck in the kernel)."""
+    pid: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KillReport:
+    """The outcome of killing a whole generation."""
+
+    duration_s: float
+    forced: tuple[int, ...] = ()
+    """Ranks that ignored SIGTERM for the grace period and were SIGKILLed."""
+    unreachable: tuple[int, ...] = ()
+    """Ranks whose agent could not be reached (node lost or frozen): fenced, reaped later by pid."""
+
+
+class Group(Protocol):
+    """What the controller needs from a launcher (Ray's :class:`~.group.WorkerGroup`, or a fake)."""
+
+    def launch(
+        self,
+        *,
+        generation: int,
+        cmd: list[str],
+        env: dict[str, str],
+        plan_path: str | None,
+        fence_file: str,
+        ckpt_dir: str,
+    ) -> list[LaunchedRank]:
+        """Start every rank of ``generation``; raise :class:`LaunchError` if it cannot."""
+        ...
+
+    def poll(self) -> list[RankPoll]:
+        """One result per rank that answered; never blocks long."""
+        ...
+
+    def kill(self, grace_s: float = 0.0) -> KillReport:
+        """Kill every reachable rank's process tree."""
+        ...

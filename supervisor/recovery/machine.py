@@ -1,0 +1,763 @@
+"""The recovery state machine: a table ``{(phase, observation type): handler}``.
+
+No Ray, no I/O, no clocks. The controller feeds it one observation at a time and carries out the
+effects it asks for; every transition also returns the journal events that explain it, each with
+a reason code (:class:`~spikeguard.supervisor.events.Reason`) beside the prose. The first event of
+a transition that changed the state also records the observations that caused it, so rebuilding
+the state after a restart is replaying :func:`step` over the journal (:func:`fold`): there is no
+second implementation of the rules.
+
+The recovery sequence; the handlers below carry these numbers::
+
+    1. RUNNING       a recover decision                -> incident; KILLING
+    2. KILLING       every rank is dead                 -> kill; ROLLING_BACK
+    3. ROLLING_BACK  a checkpoint was chosen            -> rollback, lr_cut, optimizer_reset;
+                                                           RELAUNCHING
+                     none qualifies                     -> rollback, escalated; ESCALATED
+    4. RELAUNCHING   the new generation is up           -> launch, probation_start; PROBATION
+    5. PROBATION     training passed the window         -> probation_passed; RUNNING
+                     another recover decision           -> probation_failed, incident; back to 2
+                                                           (KILLING) while the attempt budget
+                                                           lasts, else escalated; the same rule
+                                                           at the same step again: escalated at
+                                                           once (a deterministic fault)
+
+Around it:
+
+* **start**: generation 1 is launched (STARTING -> RELAUNCHING -> RUNNING).
+* **launch failure**: the launch could not be made, or a rank died before its first message ->
+  ``launch_failed``, relaunched as a new generation (fresh port, backoff) outside the incident
+  budget, at most ``launch_retries`` times in a row; then ``failed``.
+* **crash without a rule**: a rank exited non-zero and no rule recovered it -> ``failed``.
+* **finish**: every rank exited 0 -> (``probation_passed``,) ``completed``.
+* **stop**: a stop request -> ``stopped``.
+* **notify**: a notify rule fired or resolved -> ``alert`` (no state change).
+* **restart**: a restarted supervisor (:class:`Restarted`) finishes whatever step the journal shows
+  unfinished, or resumes a running generation from the newest healthy checkpoint (``resume``).
+* **budget**: more than ``max_incidents`` incidents in a run escalate at once; with
+  ``on_exhausted: hold`` an exhausted incident holds (ranks killed, waiting for a human).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from spikeguard.workers.contract.exitcodes import ExitCode
+
+from ..events import Kind, Reason
+from . import codec
+from .model import (
+    ACTIVE,
+    RECUR_WINDOW_STEPS,
+    TERMINAL,
+    CheckpointChosen,
+    Event,
+    Finished,
+    Incident,
+    Kill,
+    Killed,
+    Launch,
+    Launched,
+    LaunchFailed,
+    Notify,
+    Observation,
+    Phase,
+    Progress,
+    RankExited,
+    Recover,
+    RelaunchCause,
+    Restarted,
+    ResumePlan,
+    SelectCheckpoint,
+    Shutdown,
+    Start,
+    State,
+    StopRequested,
+    Transition,
+    lr_factor,
+    next_generation,
+    start_step,
+    state_digest,
+)
+
+_replace = dataclasses.replace
+
+Handler = Callable[[State, Any], Transition]
+HANDLERS: dict[tuple[Phase, type], Handler] = {}
+"""The machine: which handler answers which observation in which phase (anything else is
+ignored: the observation does not apply in that phase)."""
+
+LIVE = tuple(p for p in Phase if p not in TERMINAL)
+
+
+def _on(phases: Iterable[Phase], obs_type: type) -> Callable[[Handler], Handler]:
+    """Register the decorated handler for ``obs_type`` in each of ``phases``."""
+
+    def register(fn: Handler) -> Handler:
+        for phase in phases:
+            if (phase, obs_type) in HANDLERS:
+                raise ValueError(f"two handlers for {obs_type.__name__} in {phase.value}")
+            HANDLERS[(phase, obs_type)] = fn
+        return fn
+
+    return register
+
+
+def step(state: State, obs: Observation) -> Transition:
+    """Return the next state, the effects to carry out and the events to journal."""
+    handler = HANDLERS.get((state.phase, type(obs)))
+    if handler is None:
+        return Transition(state)
+    return _journaled(state, obs, handler(state, obs))
+
+
+def _journaled(before: State, obs: Observation, t: Transition) -> Transition:
+    """Attach the causing observations to the transition's first event (when the state changed).
+
+    An observation that changed the state without an event (the start, a restart choosing what
+    to redo) waits in ``State.unjournaled`` and is recorded with the next event.
+    """
+    changed = t.state != before
+    caused = (*before.unjournaled, obs) if changed else before.unjournaled
+    if not caused:
+        return t
+    if not t.events:
+        return _replace(t, state=_replace(t.state, unjournaled=caused))
+    state = _replace(t.state, unjournaled=())
+    first = {
+        **t.events[0],
+        "obs": [codec.encode(o) for o in caused],
+        "state_digest": state_digest(state),
+    }
+    return Transition(state, t.effects, (first, *t.events[1:]))
+
+
+def fold(events: Iterable[dict[str, Any]]) -> State:
+    """The machine's state after the journaled ``events``: :func:`step` replayed over the
+    observations they record (what a restarted supervisor starts from).
+
+    Pure. A journal cut anywhere (the supervisor died between two appends) folds to a state the
+    machine can continue from: the first event of each transition carries its observations.
+    """
+    state = State()
+    for ev in events:
+        for data in ev.get("obs") or ():
+            state = step(state, codec.decode(data)).state
+    return state
+
+
+def _ev(kind: Kind, code: Reason, reason: str, incident: Incident | None, **fields: Any) -> Event:
+    return {
+        "kind": kind.value,
+        "code": code.value,
+        "reason": reason,
+        "incident": incident.id if incident else None,
+        **fields,
+    }
+
+
+# ---- start ---------------------------------------------------------------------------------------
+@_on([Phase.STARTING], Start)
+def start(state: State, obs: Start) -> Transition:
+    """Launch generation 1."""
+    plan = ResumePlan(generation=next_generation(state), lr_scale=state.lr_scale)
+    st = _replace(
+        state,
+        phase=Phase.RELAUNCHING,
+        plan=plan,
+        relaunch_cause="initial",
+        resume_to=Phase.RUNNING,
+        launch_failures=0,
+        launch_retries=obs.launch_retries,
+    )
+    return Transition(st, (Launch(plan),))
+
+
+@_on([Phase.STARTING], Launched)
+def started(state: State, obs: Launched) -> Transition:
+    """Generation 1 is up (a launch made without a :class:`Start`)."""
+    return _launched(
+        _replace(state, plan=state.plan or ResumePlan(generation=obs.generation)), obs, "initial"
+    )
+
+
+# ---- 1. RUNNING: a recover decision opens an incident ----------------------------------------
+@_on([Phase.RUNNING], Recover)
+def step1_incident(state: State, obs: Recover) -> Transition:
+    """1. A recover decision: open an incident and kill every rank (or escalate at once when the
+    run has had too many incidents)."""
+    n = state.incidents_seen + 1
+    inc = Incident(
+        id=f"inc-{n:03d}", rule=obs.rule, reason=obs.reason, step=obs.step, settings=obs.settings
+    )
+    state = _replace(state, incidents_seen=n)
+    settings = inc.settings
+    if n > settings.max_incidents or settings.max_attempts < 1:
+        opened = _ev(
+            Kind.INCIDENT,
+            Reason.RULE_FIRED,
+            obs.reason,
+            inc,
+            rule=obs.rule,
+            step=obs.step,
+            settings=settings.to_dict(),
+            **obs.details,
+        )
+        if n > settings.max_incidents:
+            why = (
+                f"this run has had {n} incidents, more than max_incidents "
+                f"{settings.max_incidents}: recovering again would not make it healthy"
+            )
+            return _give_up(state, inc, [opened], why, Reason.TOO_MANY_INCIDENTS)
+        why = f"recovery budget of {settings.max_attempts} attempts spent"
+        return _give_up(state, inc, [opened], why, Reason.BUDGET_SPENT)
+    return _kill_for(state, inc, obs, [])
+
+
+def _kill_for(state: State, inc: Incident, obs: Recover, events: list[Event]) -> Transition:
+    """Journal the incident (attempt ``inc.attempts + 1``) and ask for every rank to be killed."""
+    events.append(
+        _ev(
+            Kind.INCIDENT,
+            Reason.RULE_FIRED,
+            obs.reason,
+            inc,
+            rule=obs.rule,
+            step=obs.step,
+            attempt=inc.attempts + 1,
+            settings=inc.settings.to_dict(),
+            **obs.details,
+        )
+    )
+    st = _replace(state, phase=Phase.KILLING, incident=inc)
+    return Transition(st, (Kill(f"incident {inc.id}: {obs.rule}"),), tuple(events))
+
+
+# ---- 2. KILLING: every rank is dead --------------------------------------------------------------
+@_on([Phase.KILLING], Killed)
+def step2_killed(state: State, obs: Killed) -> Transition:
+    """2. The generation is dead: choose the checkpoint to roll back to."""
+    inc = state.incident
+    assert inc is not None, "KILLING always has an incident"
+    s = inc.settings
+    how = ""
+    if obs.unreachable:
+        how += f"; ranks {list(obs.unreachable)} unreachable (fenced, reaped by pid when reachable)"
+    if obs.forced:
+        how += f"; ranks {list(obs.forced)} ignored SIGTERM and were SIGKILLed"
+    event = _ev(
+        Kind.KILL,
+        Reason.RANKS_KILLED,
+        f"killed {len(obs.ranks)} ranks of generation {state.generation}{how}",
+        inc,
+        ranks=list(obs.ranks),
+        duration_s=round(obs.duration_s, 3),
+        forced=list(obs.forced),
+        unreachable=list(obs.unreachable),
+    )
+    select = SelectCheckpoint(s.min_grade, inc.step, s.min_steps_back, state.lineage)
+    return Transition(_replace(state, phase=Phase.ROLLING_BACK), (select,), (event,))
+
+
+# ---- 3. ROLLING_BACK: a checkpoint was chosen (or none qualifies) -----------------------------
+@_on([Phase.ROLLING_BACK], CheckpointChosen)
+def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
+    """3. Roll back to the chosen checkpoint, cut the LR, reset the optimizer and relaunch; with
+    no healthy checkpoint, escalate."""
+    inc = state.incident
+    assert inc is not None, "ROLLING_BACK always has an incident"
+    s = inc.settings
+    skipped = [{"path": p, "reason": r} for p, r in obs.skipped]
+    if obs.path is None:
+        why = (
+            f"no checkpoint graded >= S{s.min_grade} at least {s.min_steps_back} steps before "
+            f"step {inc.step} verifies"
+        )
+        events = (
+            _ev(
+                Kind.ROLLBACK,
+                Reason.NO_HEALTHY_CHECKPOINT,
+                why,
+                inc,
+                checkpoint_step=None,
+                checkpoint_path=None,
+                skipped=skipped,
+            ),
+            _ev(Kind.ESCALATED, Reason.NO_HEALTHY_CHECKPOINT, why, inc, hold=False),
+        )
+        st = _replace(state, phase=Phase.ESCALATED, exit_code=ExitCode.ESCALATED)
+        return Transition(st, (Shutdown(ExitCode.ESCALATED),), events)
+    factor = lr_factor(s, inc.attempts)
+    scale = state.lr_scale * factor
+    skip: tuple[tuple[int, int], ...] = ()
+    if s.skip_window > 0:
+        skip = ((max(inc.step - s.skip_window + 1, (obs.step or 0) + 1), inc.step),)
+    plan = ResumePlan(
+        checkpoint=obs.path,
+        checkpoint_step=obs.step,
+        sha256=obs.sha256,
+        lr_scale=scale,
+        reset_optimizer=s.reset_optimizer,
+        skip_ranges=skip,
+        generation=next_generation(state),
+    )
+    inc = _replace(inc, attempts=inc.attempts + 1)
+    events: list[Event] = [
+        _ev(
+            Kind.ROLLBACK,
+            Reason.CHECKPOINT_CHOSEN,
+            f"newest checkpoint graded S{obs.grade} >= S{s.min_grade} before step {inc.step}",
+            inc,
+            checkpoint_step=obs.step,
+            checkpoint_path=obs.path,
+            grade=obs.grade,
+            skipped=skipped,
+            skip_ranges=[list(r) for r in skip],
+            attempt=inc.attempts,
+            plan=plan.to_dict(),
+        ),
+        _ev(
+            Kind.LR_CUT,
+            Reason.LR_CUT,
+            f"LR x{factor:g} on attempt {inc.attempts} (scale now {scale:.4g})",
+            inc,
+            factor=factor,
+            lr_scale=scale,
+        ),
+    ]
+    if s.reset_optimizer:
+        events.append(
+            _ev(
+                Kind.OPTIMIZER_RESET,
+                Reason.OPTIMIZER_RESET,
+                "optimizer moments may carry the instability",
+                inc,
+            )
+        )
+    st = _replace(
+        state,
+        phase=Phase.RELAUNCHING,
+        incident=inc,
+        lr_scale=scale,
+        plan=plan,
+        launch_failures=0,
+        relaunch_cause="recovery",
+        resume_to=None,
+    )
+    return Transition(st, (Launch(plan, backoff_attempt=inc.attempts),), tuple(events))
+
+
+# ---- 4. RELAUNCHING: the new generation is up -----------------------------------------------------
+@_on([Phase.RELAUNCHING], Launched)
+def step4_launched(state: State, obs: Launched) -> Transition:
+    """4. The new generation is up: probation after a recovery, else back where it was."""
+    return _launched(state, obs, state.relaunch_cause or "recovery")
+
+
+_LAUNCH_CODES = {
+    "initial": Reason.INITIAL_LAUNCH,
+    "recovery": Reason.RELAUNCH_AFTER_ROLLBACK,
+    "launch_retry": Reason.RELAUNCH_AFTER_LAUNCH_FAILURE,
+    "restart": Reason.RELAUNCH_AFTER_RESTART,
+}
+
+
+def _launched(state: State, obs: Launched, cause: RelaunchCause) -> Transition:
+    plan = state.plan or ResumePlan(generation=obs.generation)
+    inc = state.incident
+    start_at = start_step(plan)
+    fields = dict(
+        generation=obs.generation,
+        lr_scale=state.lr_scale,
+        cause=cause,
+        plan=plan.to_dict(),
+        port=obs.port,
+        backoff_s=round(obs.backoff_s, 3),
+        pids=[r.get("pid") for r in obs.ranks],
+        ranks=[dict(r) for r in obs.ranks],
+    )
+    st = _replace(
+        state,
+        generation=obs.generation,
+        max_generation=max(state.max_generation, obs.generation),
+        plan=plan,
+        lineage=(*state.lineage, (obs.generation, plan.checkpoint_step)),
+        relaunch_cause=None,
+        resume_to=None,
+    )
+    code = _LAUNCH_CODES[cause]
+    if cause == "recovery":
+        assert inc is not None, "a recovery relaunch always has an incident"
+        until = start_at + inc.settings.probation_steps
+        st = _replace(st, phase=Phase.PROBATION, probation_from=start_at, probation_until=until)
+        return Transition(
+            st,
+            events=(
+                _ev(Kind.LAUNCH, code, f"relaunched from step {start_at}", inc, **fields),
+                _ev(
+                    Kind.PROBATION_START,
+                    Reason.PROBATION_WINDOW,
+                    f"{until - start_at} steps must pass without another incident",
+                    inc,
+                    from_step=start_at,
+                    until_step=until,
+                ),
+            ),
+        )
+    if cause == "initial":
+        launch = _ev(Kind.LAUNCH, code, "initial launch", None, **fields)
+        return Transition(_replace(st, phase=Phase.RUNNING), events=(launch,))
+    why = "after a launch failure" if cause == "launch_retry" else "after a supervisor restart"
+    launch = _ev(Kind.LAUNCH, code, f"relaunched from step {start_at} {why}", inc, **fields)
+    return Transition(_replace(st, phase=state.resume_to or Phase.RUNNING), events=(launch,))
+
+
+# ---- 5. PROBATION: the window passes, or another recover decision fails it ---------------------
+@_on([Phase.PROBATION], Progress)
+def step5_progress(state: State, obs: Progress) -> Transition:
+    """5. Training reached the end of the probation window: the incident is resolved."""
+    if obs.step < (state.probation_until or 0):
+        return Transition(state)
+    return _probation_passed(
+        state, obs.step, Reason.WINDOW_PASSED, "no second incident in the probation window"
+    )
+
+
+def _probation_passed(state: State, at_step: int | None, code: Reason, why: str) -> Transition:
+    ev = _ev(
+        Kind.PROBATION_PASSED, code, why, state.incident, step=at_step, lr_scale=state.lr_scale
+    )
+    st = _replace(
+        state, phase=Phase.RUNNING, incident=None, probation_from=None, probation_until=None
+    )
+    return Transition(st, events=(ev,))
+
+
+@_on([Phase.PROBATION], Recover)
+def step5_probation_failed(state: State, obs: Recover) -> Transition:
+    """5. Another recover decision inside the window: the attempt failed. Back to 2 while the
+    budget lasts; a recurrence of the same rule at the same step fails fast."""
+    inc = state.incident
+    if inc is None:  # a probation without an incident cannot be failed: a new incident
+        return step1_incident(_replace(state, phase=Phase.RUNNING), obs)
+    events = [
+        _ev(
+            Kind.PROBATION_FAILED,
+            Reason.RECOVER_IN_PROBATION,
+            f"{obs.rule}: {obs.reason}",
+            inc,
+            step=obs.step,
+            rule=obs.rule,
+        )
+    ]
+    if obs.rule == inc.rule and abs(obs.step - inc.step) <= RECUR_WINDOW_STEPS:
+        at = f"step {obs.step}" if obs.step == inc.step else f"steps {inc.step} and {obs.step}"
+        why = (
+            f"{obs.rule} recurred at {at} on consecutive attempts: the fault is deterministic "
+            "at this step and another attempt would loop; failing fast"
+        )
+        return _give_up(state, inc, events, why, Reason.RECURRING_FAULT, fail_fast=True)
+    if inc.attempts >= inc.settings.max_attempts:
+        why = f"recovery budget of {inc.settings.max_attempts} attempts spent"
+        return _give_up(state, inc, events, why, Reason.BUDGET_SPENT)
+    inc = _replace(inc, rule=obs.rule, reason=obs.reason, step=obs.step)
+    return _kill_for(state, inc, obs, events)
+
+
+def _give_up(
+    state: State,
+    inc: Incident,
+    events: list[Event],
+    why: str,
+    code: Reason,
+    fail_fast: bool = False,
+) -> Transition:
+    """Escalate: stop the job (exit 3), or hold it for a human (``on_exhausted: hold``)."""
+    extra = {"fail_fast": True} if fail_fast else {}
+    if inc.settings.on_exhausted == "hold":
+        events.append(
+            _ev(Kind.ESCALATED, code, f"{why}; holding for a human", inc, hold=True, **extra)
+        )
+        st = _replace(state, phase=Phase.HOLDING, incident=inc)
+        return Transition(st, (Kill(f"{why}; holding"),), tuple(events))
+    events.append(_ev(Kind.ESCALATED, code, why, inc, hold=False, **extra))
+    st = _replace(state, phase=Phase.ESCALATED, incident=inc, exit_code=ExitCode.ESCALATED)
+    return Transition(st, (Kill(why), Shutdown(ExitCode.ESCALATED)), tuple(events))
+
+
+# ---- the run ends --------------------------------------------------------------------------------
+@_on(ACTIVE, Finished)
+def finished(state: State, obs: Finished) -> Transition:
+    """Every rank finished: the run is complete (a probation in progress passes)."""
+    events: tuple[Event, ...] = ()
+    if state.phase is Phase.PROBATION:
+        why = "training finished inside the probation window without a second incident"
+        events = _probation_passed(state, None, Reason.FINISHED_IN_PROBATION, why).events
+    st = _replace(
+        state,
+        phase=Phase.COMPLETED,
+        incident=None,
+        exit_code=ExitCode.COMPLETED,
+        probation_from=None,
+        probation_until=None,
+    )
+    done = _ev(
+        Kind.COMPLETED,
+        Reason.ALL_RANKS_FINISHED,
+        "all ranks finished",
+        None,
+        final_loss=obs.final_loss,
+    )
+    return Transition(st, (Shutdown(ExitCode.COMPLETED),), (*events, done))
+
+
+@_on(LIVE, StopRequested)
+def stop(state: State, obs: StopRequested) -> Transition:
+    """A person or a policy rule asked to stop: kill the ranks and stop (exit 5)."""
+    st = _replace(state, phase=Phase.STOPPED, exit_code=ExitCode.STOPPED)
+    event = _ev(Kind.STOPPED, Reason.STOP_REQUESTED, obs.reason, state.incident)
+    return Transition(st, (Kill(obs.reason), Shutdown(ExitCode.STOPPED)), (event,))
+
+
+@_on(ACTIVE, RankExited)
+def rank_exited(state: State, obs: RankExited) -> Transition:
+    """A rank's process ended (after the policy engine saw it): before its first message that
+    is a launch failure; non-zero with no rule recovering it, the job failed; a crash in teardown
+    after ``done`` is noted and counted as finished."""
+    if obs.generation != state.generation:
+        return Transition(state)  # a generation already replaced (a rule recovered it)
+    if obs.teardown_code is not None:
+        why = (
+            f"rank {obs.rank} finished training, then exited with code {obs.teardown_code} "
+            "during teardown; counted as finished"
+        )
+        note = _ev(
+            Kind.ALERT,
+            Reason.TEARDOWN_EXIT,
+            why,
+            None,
+            severity="info",
+            rule=None,
+            rank=obs.rank,
+            layer=None,
+            step=obs.details.get("step"),
+        )
+        return Transition(state, events=(note,))
+    if obs.code == 0:
+        return Transition(state)
+    lost = obs.details.get("lost")
+    if obs.first:
+        why = f"rank {obs.rank} exited with code {obs.code} before its first heartbeat"
+        if lost:
+            why += f" (agent lost: {lost})"
+        failure = LaunchFailed(
+            why,
+            rank=obs.rank,
+            exit_code=obs.code,
+            details={"log_tail": obs.details.get("log_tail", "")},
+        )
+        return launch_failed(state, failure)
+    why = f"rank {obs.rank} exited with code {obs.code} and no policy rule recovers crashes"
+    details = {"rank": obs.rank, "rank_exit_code": obs.code}
+    details["log_tail"] = obs.details.get("log_tail", "")
+    if lost:
+        details["lost"] = lost
+    st = _replace(state, phase=Phase.FAILED, exit_code=ExitCode.FAILED)
+    event = _ev(
+        Kind.FAILED,
+        Reason.CRASH_WITHOUT_RULE,
+        why,
+        state.incident,
+        exit_code=ExitCode.FAILED,
+        **details,
+    )
+    return Transition(st, (Kill(why), Shutdown(ExitCode.FAILED)), (event,))
+
+
+@_on(LIVE, Notify)
+def notify(state: State, obs: Notify) -> Transition:
+    """A notify (or checkpoint) rule fired or resolved: an alert for the notifiers."""
+    code = Reason.RULE_RESOLVED if obs.resolved else Reason.RULE_NOTIFY
+    event = _ev(Kind.ALERT, code, obs.reason, None, resolved=obs.resolved, **obs.details)
+    return Transition(state, events=(event,))
+
+
+# ---- launch failures ---------------------------------------------------------------------------
+@_on((Phase.RUNNING, Phase.PROBATION, Phase.RELAUNCHING), LaunchFailed)
+def launch_failed(state: State, obs: LaunchFailed) -> Transition:
+    """A launch did not come up: relaunch as a new generation (fresh port, backoff), outside the
+    incident budget, at most ``launch_retries`` times in a row; then the job fails."""
+    n = state.launch_failures + 1
+    retries = state.launch_retries
+    relaunching = state.phase is Phase.RELAUNCHING
+    failed_gen = state.plan.generation if relaunching and state.plan else state.generation
+    fields = dict(
+        generation=failed_gen,
+        rank=obs.rank,
+        exit_code=obs.exit_code,
+        failures=n,
+        retries_allowed=retries,
+        **obs.details,
+    )
+    if n > retries:
+        why = f"{n} consecutive launch failures (at most {retries} retried); the last: {obs.reason}"
+        st = _replace(
+            state,
+            phase=Phase.FAILED,
+            exit_code=ExitCode.FAILED,
+            launch_failures=n,
+            max_generation=max(state.max_generation, failed_gen),
+        )
+        events = (
+            _ev(
+                Kind.LAUNCH_FAILED,
+                Reason.LAUNCH_RETRIES_SPENT,
+                obs.reason,
+                state.incident,
+                gave_up=True,
+                **fields,
+            ),
+            _ev(
+                Kind.FAILED,
+                Reason.LAUNCH_RETRIES_SPENT,
+                why,
+                state.incident,
+                exit_code=ExitCode.FAILED,
+                rank_exit_code=obs.exit_code,
+            ),
+        )
+        return Transition(st, (Kill(why), Shutdown(ExitCode.FAILED)), events)
+    st = _replace(state, max_generation=max(state.max_generation, failed_gen))
+    plan = _replace(
+        state.plan or ResumePlan(lr_scale=state.lr_scale), generation=next_generation(st)
+    )
+    st = _replace(
+        st,
+        phase=Phase.RELAUNCHING,
+        plan=plan,
+        launch_failures=n,
+        relaunch_cause=state.relaunch_cause if relaunching else "launch_retry",
+        resume_to=state.resume_to if relaunching else state.phase,
+    )
+    why = (
+        f"{obs.reason}; retrying with a fresh port as generation {plan.generation} "
+        f"(retry {n} of {retries}, outside the incident budget)"
+    )
+    event = _ev(
+        Kind.LAUNCH_FAILED,
+        Reason.LAUNCH_FAILED,
+        why,
+        state.incident,
+        plan=plan.to_dict(),
+        **fields,
+    )
+    effects = (Kill(f"launch failure: {obs.reason}"), Launch(plan, backoff_attempt=n))
+    return Transition(st, effects, (event,))
+
+
+# ---- a restarted supervisor ----------------------------------------------------------------------
+@_on(LIVE, Restarted)
+def restarted(state: State, obs: Restarted) -> Transition:
+    """Finish what the journal shows unfinished: an interrupted kill, the checkpoint choice, the
+    relaunch with the journaled plan; a running generation is resumed from a checkpoint (its
+    agents died with the old supervisor)."""
+    st = _replace(
+        state,
+        max_generation=max(state.max_generation, obs.highest_generation),
+        launch_retries=obs.launch_retries,
+    )
+    p, inc = st.phase, st.incident
+    if p is Phase.STARTING:
+        return start(st, Start(obs.launch_retries))
+    if p in (Phase.RUNNING, Phase.PROBATION, Phase.RESUMING):
+        back = st.resume_to if p is Phase.RESUMING else p
+        s = inc.settings if inc is not None else obs.settings
+        st = _replace(st, phase=Phase.RESUMING, resume_to=back or Phase.RUNNING)
+        return Transition(st, (SelectCheckpoint(s.min_grade, None, 0, st.lineage),))
+    if p is Phase.KILLING and inc is not None:
+        return Transition(st, (Kill(f"supervisor restart: finishing the kill of {inc.id}"),))
+    if p is Phase.ROLLING_BACK and inc is not None:
+        s = inc.settings
+        select = SelectCheckpoint(s.min_grade, inc.step, s.min_steps_back, st.lineage)
+        return Transition(st, (select,))
+    if p is Phase.RELAUNCHING and st.plan is not None:
+        plan = st.plan
+        if plan.generation <= st.max_generation:  # that launch may have begun: a new number
+            plan = _replace(plan, generation=st.max_generation + 1)
+        return Transition(_replace(st, plan=plan), (Launch(plan),))
+    return Transition(st)  # HOLDING: the ranks are dead, a human decides
+
+
+@_on([Phase.RESUMING], CheckpointChosen)
+def resume(state: State, obs: CheckpointChosen) -> Transition:
+    """The checkpoint a restarted supervisor resumes the run from (the newest healthy one on the
+    lineage, with the journaled LR scale; none yet: from step 0)."""
+    old, inc = state.plan, state.incident
+    gen = next_generation(state)
+    skipped = [{"path": p, "reason": r} for p, r in obs.skipped]
+    back = (state.resume_to or Phase.RUNNING).value
+    if obs.path is None:
+        if old is not None and old.checkpoint is not None:
+            why = (
+                "supervisor restart: no healthy checkpoint to resume from (this generation "
+                f"resumed from {old.checkpoint}, which no longer verifies)"
+            )
+            code = Reason.RESUME_CHECKPOINT_GONE
+            events = (
+                _ev(
+                    Kind.RESUME,
+                    code,
+                    why,
+                    inc,
+                    checkpoint_step=None,
+                    checkpoint_path=None,
+                    skipped=skipped,
+                    resume_to=back,
+                ),
+                _ev(Kind.ESCALATED, code, why, inc, hold=False),
+            )
+            st = _replace(state, phase=Phase.ESCALATED, exit_code=ExitCode.ESCALATED)
+            return Transition(st, (Shutdown(ExitCode.ESCALATED),), events)
+        plan = ResumePlan(
+            lr_scale=state.lr_scale, skip_ranges=old.skip_ranges if old else (), generation=gen
+        )
+        code = Reason.RESUME_FROM_START
+        why = (
+            "supervisor restart: no checkpoint yet on this run's lineage; starting over from step 0"
+        )
+    else:
+        reset = bool(old is not None and old.reset_optimizer and old.checkpoint == obs.path)
+        skips = tuple(r for r in (old.skip_ranges if old else ()) if r[1] > (obs.step or 0))
+        plan = ResumePlan(
+            checkpoint=obs.path,
+            checkpoint_step=obs.step,
+            sha256=obs.sha256,
+            lr_scale=state.lr_scale,
+            reset_optimizer=reset,
+            skip_ranges=skips,
+            generation=gen,
+        )
+        code = Reason.RESUME_FROM_CHECKPOINT
+        why = (
+            "supervisor restart: resuming from the newest healthy checkpoint "
+            f"(step {obs.step}, S{obs.grade}) with LR scale {state.lr_scale:.4g}"
+        )
+    event = _ev(
+        Kind.RESUME,
+        code,
+        why,
+        inc,
+        checkpoint_step=obs.step,
+        checkpoint_path=obs.path,
+        grade=obs.grade,
+        skipped=skipped,
+        lr_scale=state.lr_scale,
+        resume_to=back,
+        plan=plan.to_dict(),
+    )
+    st = _replace(
+        state, phase=Phase.RELAUNCHING, plan=plan, relaunch_cause="restart", launch_failures=0
+    )
+    return Transition(st, (Launch(plan),), (event,))

@@ -1,0 +1,408 @@
+"""The recovery machine's data: phases, settings, state, observations and effects.
+
+Plain frozen dataclasses and small pure helpers; the transitions live in :mod:`.machine`.
+Observations are what the controller tells the machine (a decision, an exit, the outcome of an
+effect); effects are what the machine asks the controller to do. Fields marked
+``journal=False`` only feed the events the machine writes (the event itself records them); the
+journal keeps every other field of the observations that changed the state, which is what a
+restarted supervisor replays (:func:`.machine.fold`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+from typing import Any, Literal, Union
+
+from spikeguard.workers.contract.plan import ResumePlan
+
+EVENT_ONLY = {"journal": False}
+"""Field metadata: feeds the machine's events only, never its state (not journaled twice)."""
+
+
+class Phase(str, enum.Enum):
+    """Where the run stands."""
+
+    STARTING = "STARTING"
+    """Nothing launched yet."""
+    RUNNING = "RUNNING"
+    """Training, no open incident."""
+    KILLING = "KILLING"
+    """An incident opened: every rank is being killed."""
+    ROLLING_BACK = "ROLLING_BACK"
+    """Choosing the checkpoint to resume from."""
+    RESUMING = "RESUMING"
+    """A restarted supervisor is choosing the checkpoint to resume the run from (no incident)."""
+    RELAUNCHING = "RELAUNCHING"
+    """A new generation is being launched."""
+    PROBATION = "PROBATION"
+    """The relaunched generation must train a window of steps without another incident."""
+    HOLDING = "HOLDING"
+    """The budget is spent and the policy says hold: ranks killed, waiting for a human."""
+    ESCALATED = "ESCALATED"
+    """Automatic recovery gave up; the job stopped (exit 3)."""
+    COMPLETED = "COMPLETED"
+    """Every rank finished training (exit 0)."""
+    FAILED = "FAILED"
+    """A crash no rule recovers, or launches that keep failing (exit 1)."""
+    STOPPED = "STOPPED"
+    """Stopped by a person or a policy ``stop`` rule (exit 5)."""
+
+
+TERMINAL = frozenset({Phase.ESCALATED, Phase.COMPLETED, Phase.FAILED, Phase.STOPPED})
+"""Phases that end the run: no observation changes them."""
+
+ACTIVE = (Phase.RUNNING, Phase.PROBATION)
+"""Phases in which ranks train and report."""
+
+RECUR_WINDOW_STEPS = 2
+"""A recover decision of the same rule within this many steps of the previous attempt's is a
+recurrence (reports are asynchronous: a crashed rank's last reported step can lag a step)."""
+
+RelaunchCause = Literal["initial", "recovery", "launch_retry", "restart"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+    """The recovery settings the machine needs (a rule's effective settings)."""
+
+    min_grade: int = 4
+    """Roll back only to checkpoints graded at least this (S4)."""
+    min_steps_back: int = 0
+    """The checkpoint must be at least this many steps before the incident."""
+    lr_factors: tuple[float, ...] = (0.5,)
+    """LR factor per attempt (the last one repeats); the scale compounds."""
+    reset_optimizer: bool = True
+    """Start the optimizer fresh after a rollback."""
+    skip_window: int = 0
+    """Skip the batches of this many steps up to the incident (0: none)."""
+    probation_steps: int = 1000
+    """Steps after the resume that must pass without another recover decision."""
+    max_attempts: int = 3
+    """Recoveries allowed for one incident before it escalates."""
+    max_incidents: int = 10
+    """Incidents allowed in one run; the next one escalates at once (a fault that recurs every
+    N steps, N longer than probation, would otherwise open fresh incidents forever)."""
+    on_exhausted: Literal["stop", "hold"] = "stop"
+    """When the budget is spent: stop the job and page, or hold it (ranks killed, for a human)."""
+
+    @classmethod
+    def from_policy(cls, rs: Any) -> Settings:
+        """From a :class:`spikeguard.policies.RecoverySettings` (or anything with these fields)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        kw = {n: getattr(rs, n) for n in names if hasattr(rs, n)}
+        if "lr_factors" in kw:
+            kw["lr_factors"] = tuple(kw["lr_factors"])
+        return cls(**kw)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Settings:
+        """From a journaled ``settings`` object (unknown keys ignored; None: the defaults)."""
+        if not isinstance(d, dict):
+            return cls()
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        if "lr_factors" in kw:
+            kw["lr_factors"] = tuple(float(x) for x in kw["lr_factors"])
+        return cls(**kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data."""
+        d = dataclasses.asdict(self)
+        d["lr_factors"] = list(self.lr_factors)
+        return d
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Incident:
+    """An open incident: what fired, and how many recoveries it has spent."""
+
+    id: str
+    """``inc-001``, ``inc-002``, … in the order the run opened them."""
+    rule: str
+    reason: str
+    step: int
+    """The step the rule fired at (the latest attempt's, after a failed probation)."""
+    settings: Settings
+    attempts: int = 0
+    """Recoveries already started for this incident."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class State:
+    """Everything the machine knows; rebuilt after a restart by replaying the journal."""
+
+    phase: Phase = Phase.STARTING
+    generation: int = 0
+    """The generation running now (the last one launched)."""
+    max_generation: int = 0
+    """The highest generation number ever used; a new launch takes the next one."""
+    lr_scale: float = 1.0
+    """The compounded LR scale every generation is launched with."""
+    incident: Incident | None = None
+    incidents_seen: int = 0
+    """Incidents opened in this run (ids are numbered from it)."""
+    probation_from: int | None = None
+    probation_until: int | None = None
+    plan: ResumePlan | None = None
+    """The plan of the current generation, or of the one being launched."""
+    lineage: tuple[tuple[int, int | None], ...] = ()
+    """(generation, step it branched from) of every launch, oldest first: a checkpoint counts
+    for rollback only if it lies on the path the current generation descends from."""
+    exit_code: int | None = None
+    launch_retries: int = 3
+    """Launch failures retried in a row before the job fails (the job's setting)."""
+    launch_failures: int = 0
+    """Consecutive launch failures of the current launch request (reset by every new request)."""
+    relaunch_cause: RelaunchCause | None = None
+    """Why the pending launch happens (set from RELAUNCHING until the launch is done)."""
+    resume_to: Phase | None = None
+    """The phase to return to after a launch retry or a supervisor restart (RUNNING/PROBATION)."""
+    unjournaled: tuple[Observation, ...] = ()
+    """Observations that changed the state without an event yet; the next event records them."""
+
+
+def state_digest(state: State) -> str:
+    """A short, stable fingerprint of ``state`` (journaled beside the observations, so a replay
+    of the journal can prove it rebuilt exactly the live state)."""
+    d = dataclasses.asdict(dataclasses.replace(state, unjournaled=()))
+    d.pop("unjournaled")
+    text = json.dumps(d, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ---- observations (inputs) ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """A fresh supervisor begins the run: launch generation 1."""
+
+    launch_retries: int = 3
+    """Launch failures retried in a row before the job fails."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Launched:
+    """A generation is up (every rank's process started)."""
+
+    generation: int
+    ranks: tuple[dict[str, Any], ...] = dataclasses.field(default=(), metadata=EVENT_ONLY)
+    """Per rank: pid, node_id, host, agent_pid (journaled in the event for fencing/reaping)."""
+    port: int | None = None
+    backoff_s: float = 0.0
+    """How long the supervisor waited before this launch."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchFailed:
+    """The launch itself could not be made (placement, agents), or a rank died before its first
+    message."""
+
+    reason: str
+    rank: int | None = None
+    exit_code: int | None = None
+    details: dict[str, Any] = dataclasses.field(default_factory=dict, metadata=EVENT_ONLY)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankExited:
+    """A rank's process of ``generation`` ended, after the policy engine saw its exit."""
+
+    rank: int
+    generation: int
+    code: int
+    """The exit code (negative: killed by that signal)."""
+    first: bool = False
+    """It never sent a message: a launch failure, not a crash."""
+    teardown_code: int | None = None
+    """It said ``done`` and then died with this code in teardown: finished all the same."""
+    details: dict[str, Any] = dataclasses.field(default_factory=dict, metadata=EVENT_ONLY)
+    """log_tail, lost, host: for the events."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Recover:
+    """A policy rule decided to recover."""
+
+    rule: str
+    reason: str
+    step: int
+    settings: Settings
+    details: dict[str, Any] = dataclasses.field(default_factory=dict, metadata=EVENT_ONLY)
+
+
+@dataclasses.dataclass(frozen=True)
+class Notify:
+    """A policy rule decided to notify (or to checkpoint), or it stopped holding (``resolved``)."""
+
+    reason: str
+    resolved: bool = False
+    details: dict[str, Any] = dataclasses.field(default_factory=dict, metadata=EVENT_ONLY)
+    """rule, action, severity, signal, value, rank, layer, step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Killed:
+    """Every rank of the generation is dead (or unreachable and fenced)."""
+
+    ranks: tuple[int, ...]
+    duration_s: float
+    forced: tuple[int, ...] = ()
+    """Ranks that ignored SIGTERM for the whole grace period and were SIGKILLed."""
+    unreachable: tuple[int, ...] = ()
+    """Ranks whose agent could not be reached (node lost or frozen): fenced, reaped by pid."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointChosen:
+    """The controller's answer to :class:`SelectCheckpoint` (``path`` None: nothing healthy)."""
+
+    path: str | None
+    step: int | None = None
+    sha256: str | None = None
+    grade: int | None = None
+    skipped: tuple[tuple[str, str], ...] = ()
+    """(path, why) of every newer checkpoint passed over."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """How far the current generation has trained."""
+
+    step: int
+    """The slowest rank's latest step in the current generation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """Every rank of the current generation exited 0."""
+
+    final_loss: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StopRequested:
+    """A person (``spikeguard stop``, Ctrl-C) or a policy ``stop`` rule asked to stop."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Restarted:
+    """A restarted supervisor took over a run whose state was folded from the journal."""
+
+    settings: Settings
+    """The policy's recovery settings (min_grade of a resume outside an incident)."""
+    highest_generation: int = 0
+    """The highest generation with traces on disk (plans, logs): a launch may have begun
+    unjournaled, and its number must never be reused."""
+    launch_retries: int = 3
+    """The (restarted) job's launch retries."""
+
+
+Observation = Union[
+    Start,
+    Launched,
+    LaunchFailed,
+    RankExited,
+    Recover,
+    Notify,
+    Killed,
+    CheckpointChosen,
+    Progress,
+    Finished,
+    StopRequested,
+    Restarted,
+]
+OBSERVATIONS: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        Start,
+        Launched,
+        LaunchFailed,
+        RankExited,
+        Recover,
+        Notify,
+        Killed,
+        CheckpointChosen,
+        Progress,
+        Finished,
+        StopRequested,
+        Restarted,
+    )
+}
+
+
+# ---- effects (outputs) -------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Kill:
+    """Fence the generation and kill every rank; answer with :class:`Killed`."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectCheckpoint:
+    """Choose the newest qualifying checkpoint; answer with :class:`CheckpointChosen`."""
+
+    min_grade: int
+    before_step: int | None
+    min_steps_back: int
+    lineage: tuple[tuple[int, int | None], ...] = ()
+    """Only checkpoints on this lineage qualify (see :attr:`State.lineage`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """Launch ``plan.generation`` with ``plan``; answer with :class:`Launched` or
+    :class:`LaunchFailed`."""
+
+    plan: ResumePlan
+    backoff_attempt: int = 0
+    """0: launch at once; n >= 1: wait :func:`backoff_delay` (n) first."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shutdown:
+    """The run is over: stop accepting reports; the process exits with ``exit_code``."""
+
+    exit_code: int
+
+
+Effect = Union[Kill, SelectCheckpoint, Launch, Shutdown]
+Event = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Transition:
+    """What one observation did: the next state, what to carry out, and what to journal."""
+
+    state: State
+    effects: tuple[Effect, ...] = ()
+    events: tuple[Event, ...] = ()
+
+
+# ---- small pure helpers ------------------------------------------------------------------------
+def lr_factor(settings: Settings, attempt: int) -> float:
+    """The factor for the ``attempt``-th recovery (0-based); the last factor repeats."""
+    f = settings.lr_factors
+    return f[min(attempt, len(f) - 1)]
+
+
+def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
+    """Seconds to wait before relaunch ``attempt`` (1-based): base, 2 x base, 4 x base, ...
+    capped at ``max_s``."""
+    if attempt <= 0 or base_s <= 0:
+        return 0.0
+    return float(min(max_s, base_s * 2.0 ** min(attempt - 1, 60)))
+
+
+def next_generation(state: State) -> int:
+    """The number the next launch takes."""
+    return max(state.generation, state.max_generation) + 1
+
+
+def start_step(plan: ResumePlan | None) -> int:
+    """The first training step of a generation launched with ``plan``."""
+    return 0 if plan is None else plan.start_step
