@@ -54,7 +54,10 @@ def _files(d: Path) -> list[str]:
 
 
 def _forge(d: Path, step: int, data: bytes, grade: int = 7) -> str:
-    """Write ``data`` as a checkpoint with a sidecar whose sha256 and size match it (what an attacker can do)."""
+    """Write ``data`` as a checkpoint with a sidecar whose sha256 and size match it.
+
+    This is what an attacker with write access to the directory can do.
+    """
     name = ckpt.checkpoint_name(step, 1)
     (d / name).write_bytes(data)
     (d / (name + ".json")).write_text(
@@ -381,15 +384,15 @@ def test_corrupt_files_refused_and_selection_falls_back(tmp_path: Path) -> None:
         (empty, "is empty"),
         (truncated, "size mismatch"),
     ):
-        for load in (
-            lambda: ckpt.load_checkpoint(info),
-            lambda: ckpt.load_checkpoint(info.path),
-            lambda: ckpt.verify(info),
+        for check, arg in (
+            (ckpt.load_checkpoint, info),
+            (ckpt.load_checkpoint, info.path),
+            (ckpt.verify, info),
         ):
             with pytest.raises(CorruptCheckpointError, match=why) as e:
-                load()
+                check(arg)
             assert info.path in str(e.value)
-    with pytest.raises(CorruptCheckpointError, match="sha256 mismatch.*expected_sha256"):
+    with pytest.raises(CorruptCheckpointError, match=r"sha256 mismatch.*expected_sha256"):
         ckpt.load_checkpoint(good.path, expected_sha256="0" * 64)
     os.unlink(good.meta_path)
     with pytest.raises(CheckpointError, match="no sidecar and no expected_sha256"):
