@@ -30,7 +30,7 @@ from .format import (
     checkpoint_name,
     read_sidecar,
 )
-from .select import list_checkpoints, select_checkpoint, verify
+from .select import list_checkpoints, on_lineage, select_checkpoint, verify
 
 _LAZY = {
     "clean_temp_files": "write",
@@ -52,6 +52,7 @@ __all__ = [
     "clean_temp_files",
     "list_checkpoints",
     "load_checkpoint",
+    "on_lineage",
     "read_sidecar",
     "select_checkpoint",
     "verify",

@@ -3,6 +3,7 @@
 * :func:`list_checkpoints` reads a directory's sidecars (cheap: no hashing);
 * :func:`verify` checks one data file's size and sha256 against its sidecar, then scans its pickle
   statically (:mod:`.pickle_scan`), so that a checkpoint the rank could not load is never chosen;
+* :func:`on_lineage` says whether a checkpoint lies on the path the current launch descends from;
 * :func:`select_checkpoint` chooses the rollback target: the newest checkpoint that qualifies,
   with the reason each newer one was passed over.
 
@@ -11,8 +12,9 @@ Everything here is pure apart from reading files; nothing is written or removed.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from . import pickle_scan
 from .format import (
@@ -91,14 +93,36 @@ def verify(info: CheckpointInfo) -> None:
         pickle_scan.scan_checkpoint(f, info.path)
 
 
+def on_lineage(lineage: Sequence[tuple[int, int | None]], generation: int, step: int) -> bool:
+    """Whether the checkpoint of ``generation`` at ``step`` lies on the current generation's path.
+
+    ``lineage`` lists every launch, oldest first, as (generation, the step of the checkpoint it was
+    launched from, or None if it was launched without one); the current generation is the last.
+    Walking back from it, each generation's checkpoints count up to the earliest step any later
+    launch branched from: all of the current generation's, an ancestor's only up to where its
+    descendants took over (what it wrote after that was abandoned). A launch without a checkpoint
+    sets no bound. A generation not in ``lineage`` is not on it; with an empty one nothing is.
+    """
+    limit = math.inf
+    for launched, branched_at in reversed(lineage):
+        if generation == launched:
+            return step <= limit
+        if branched_at is not None:
+            limit = min(limit, branched_at)
+    return False
+
+
 def _skip_reason(
     info: CheckpointInfo,
     *,
     min_grade: int,
     step_limit: int | None,
     min_steps_back: int,
+    lineage: Sequence[tuple[int, int | None]] | None,
 ) -> str | None:
     """Why ``info`` does not qualify before verification, or None if it might."""
+    if lineage is not None and not on_lineage(lineage, info.generation, info.step):
+        return f"generation {info.generation} step {info.step} is off the current lineage"
     if step_limit is not None and info.step > step_limit:
         return f"step {info.step} > {step_limit} = before_step - min_steps_back {min_steps_back}"
     if info.grade is None:
@@ -114,12 +138,14 @@ def select_checkpoint(
     min_grade: int,
     before_step: int | None,
     min_steps_back: int = 0,
+    lineage: Sequence[tuple[int, int | None]] | None = None,
     verify_fn: Callable[[CheckpointInfo], None] = verify,
 ) -> tuple[CheckpointInfo | None, list[tuple[CheckpointInfo, str]]]:
     """Choose the checkpoint to roll back to; pass it one rank's checkpoints.
 
     The choice is the newest (by step, then generation) checkpoint that
 
+    * lies on ``lineage`` (see :func:`on_lineage`), if ``lineage`` is given;
     * has step <= ``before_step - min_steps_back`` (no bound if ``before_step`` is None);
     * has grade >= ``min_grade`` (ungraded checkpoints never qualify);
     * passes ``verify_fn``: a :class:`CheckpointError` from it falls back to older checkpoints,
@@ -141,6 +167,7 @@ def select_checkpoint(
             min_grade=min_grade,
             step_limit=step_limit,
             min_steps_back=min_steps_back,
+            lineage=lineage,
         )
         if reason is not None:
             skipped.append((info, reason))
