@@ -1,10 +1,21 @@
-"""Tests for spikeguard.workers.checkpoint.select: the lineage filter."""
+"""Tests for spikeguard.workers.checkpoint.select: the lineage filter, and the supervisor's path
+(list, verify, select) in a process where torch cannot be imported."""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import pickle
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from spikeguard.workers import checkpoint as ckpt
 from spikeguard.workers.checkpoint import CheckpointInfo, on_lineage, select_checkpoint
 
@@ -126,3 +137,116 @@ def test_select_with_lineage_matches_filtering_first() -> None:
             with_lineage = select_checkpoint(infos, lineage=lineage, verify_fn=_no_verify, **rules)
             filtered = select_checkpoint(on_path, verify_fn=_no_verify, **rules)
             assert with_lineage[0] == filtered[0]
+
+
+# -- the supervisor's path, without torch -------------------------------------------------------
+
+_NO_TORCH = textwrap.dedent("""
+    import importlib.abc, json, sys
+
+    class NoTorch(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ImportError(f"{name} is blocked in this process")
+            return None
+
+    sys.meta_path.insert(0, NoTorch())
+
+    import spikeguard.workers.checkpoint
+    import spikeguard.workers.checkpoint.select
+    from spikeguard.workers import checkpoint as ckpt
+    from spikeguard.workers.checkpoint import select
+
+    listed = select.list_checkpoints(sys.argv[1])
+    verified = {}
+    for info in listed:
+        try:
+            ckpt.verify(info)
+            verified[info.step] = "ok"
+        except ckpt.CheckpointError as e:
+            verified[info.step] = type(e).__name__ + ": " + str(e)
+    chosen, skipped = ckpt.select_checkpoint(listed, min_grade=5, before_step=None)
+    lineage = [(1, None), (2, 15)]
+    on_lineage, _ = select.select_checkpoint(listed, min_grade=5, before_step=None, lineage=lineage)
+    try:
+        ckpt.write_checkpoint
+        write = "imported"
+    except ImportError as e:
+        write = str(e)
+    print(json.dumps({
+        "torch_loaded": any(m == "torch" or m.startswith("torch.") for m in sys.modules),
+        "listed": [i.step for i in listed],
+        "problems": [why for _, why in listed.problems],
+        "verified": verified,
+        "chosen": chosen.step,
+        "skipped": [[s.step, why] for s, why in skipped],
+        "on_lineage": on_lineage.step,
+        "write": write,
+    }))
+""")
+
+
+def _malicious_zip() -> bytes:
+    """A real torch.save zip whose pickle calls os.system (never run here)."""
+    saved = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, saved)
+    payload = b"\x80\x02cposix\nsystem\nX\x04\x00\x00\x00true\x85R."
+    out = io.BytesIO()
+    with (
+        zipfile.ZipFile(io.BytesIO(saved.getvalue())) as src,
+        zipfile.ZipFile(out, "w") as dst,
+    ):
+        for entry in src.infolist():
+            data = src.read(entry)
+            if entry.filename.endswith("/data.pkl"):
+                data = payload
+            dst.writestr(entry.filename, data)
+    return out.getvalue()
+
+
+def test_list_verify_select_without_torch(tmp_path: Path) -> None:
+    def write(step: int, grade: int, generation: int = 1) -> CheckpointInfo:
+        state = {"w": torch.full((8,), float(step)), "s": {step}, "b": b"x"}
+        meta = {"grade": grade}
+        return ckpt.write_checkpoint(tmp_path, state, step=step, generation=generation, meta=meta)
+
+    write(10, 6)
+    write(20, 6)
+    write(30, 2)  # graded too low
+    malicious = write(40, 7)
+    data = _malicious_zip()
+    Path(malicious.path).write_bytes(data)  # a forged sidecar to match: only the content tells
+    side = json.loads(Path(malicious.meta_path).read_text())
+    side.update(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    Path(malicious.meta_path).write_text(json.dumps(side))
+    flipped = write(50, 7)
+    raw = bytearray(Path(flipped.path).read_bytes())
+    raw[-100] ^= 1
+    Path(flipped.path).write_bytes(raw)
+    write(12, 6, generation=2)
+    (tmp_path / ckpt.checkpoint_name(60, 1)).write_bytes(pickle.dumps({}))  # no sidecar
+
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["torch_loaded"] is False
+    assert "torch is blocked" in result["write"]  # the blocker works: write needs torch
+    assert result["listed"] == [10, 12, 20, 30, 40, 50]
+    assert result["problems"] == ["data file without sidecar (interrupted write?)"]
+    verified = result["verified"]
+    assert [verified[step] for step in ("10", "12", "20", "30")] == ["ok"] * 4
+    assert verified["40"].startswith("UnsafeCheckpointError: ")
+    assert "['posix.system']" in verified["40"]
+    assert verified["50"].startswith("CorruptCheckpointError: ") and "sha256" in verified["50"]
+    assert result["chosen"] == 20
+    assert [(step, why.split(":")[0]) for step, why in result["skipped"]] == [
+        (50, "failed verification"),
+        (40, "failed verification"),
+        (30, "grade 2 < min_grade 5"),
+    ]
+    assert result["on_lineage"] == 12  # generation 2 branched from step 15 of generation 1
