@@ -54,7 +54,10 @@ def _files(d: Path) -> list[str]:
 
 
 def _forge(d: Path, step: int, data: bytes, grade: int = 7) -> str:
-    """Write ``data`` as a checkpoint with a sidecar whose sha256 and size match it (what an attacker can do)."""
+    """Write ``data`` as a checkpoint with a sidecar whose sha256 and size match it.
+
+    This is what an attacker with write access to the directory can do.
+    """
     name = ckpt.checkpoint_name(step, 1)
     (d / name).write_bytes(data)
     (d / (name + ".json")).write_text(
@@ -248,22 +251,39 @@ def test_failure_after_data_publish_rolls_back(
     assert _files(tmp_path) == sorted([os.path.basename(old.path), os.path.basename(old.meta_path)])
 
 
+# The child writes a first checkpoint, then a second one of ``numel`` floats. With a stage
+# ("publish" or "sidecar") it first wraps the writer's publish step to sleep right before it
+# publishes the data file ("publish": both temp files are durable, nothing is published) or the
+# sidecar ("sidecar": the data file alone is published), so that the test can SIGKILL it there.
 _CHILD = textwrap.dedent("""
-    import os, sys, torch
+    import sys, time, torch
     from spikeguard.workers import checkpoint as ckpt
-    d = sys.argv[1]
+    from spikeguard.workers.checkpoint import write
+    d, numel, stage = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     ckpt.write_checkpoint(d, {"w": torch.ones(1000)}, step=1, generation=1, meta={"grade": 6})
-    os.environ.update(dict(a.split("=", 1) for a in sys.argv[3:]))
+    publish = write._publish
+
+    def paused_publish(tmp, final, created):
+        if final.endswith(ckpt.SIDECAR_SUFFIX):
+            publishing = "sidecar"
+        else:
+            publishing = "publish"
+        if publishing == stage:
+            time.sleep(120)
+        publish(tmp, final, created)
+
+    write._publish = paused_publish
+    state = {"w": torch.ones(numel)}
     try:
-        ckpt.write_checkpoint(d, {"w": torch.ones(int(sys.argv[2]))}, step=2, generation=1, meta={"grade": 6})
+        ckpt.write_checkpoint(d, state, step=2, generation=1, meta={"grade": 6})
     except ckpt.CheckpointError as e:
         print(f"CheckpointError|{getattr(e.__cause__, 'errno', None)}|{e}")
 """)
 
 
-def _child(d: Path, numel: int, *env: str, **kw: Any) -> subprocess.Popen[str]:
+def _child(d: Path, numel: int, stage: str = "", **kw: Any) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(d), str(numel), *env],
+        [sys.executable, "-c", _CHILD, str(d), str(numel), stage],
         text=True,
         **kw,
         stdout=subprocess.PIPE,
@@ -280,7 +300,7 @@ def _assert_first_intact(d: Path) -> None:
 
 @pytest.mark.parametrize("stage", ["publish", "sidecar"])
 def test_sigkill_mid_write_leaves_previous_intact(tmp_path: Path, stage: str) -> None:
-    proc = _child(tmp_path, 2_000_000, f"{ckpt.ENV_TEST_PAUSE}={stage}:120")
+    proc = _child(tmp_path, 2_000_000, stage)
     big = ckpt.checkpoint_name(2, 1)
     # "publish": both temp files durable, nothing published; "sidecar": data published, sidecar not.
     ready = (
@@ -364,15 +384,15 @@ def test_corrupt_files_refused_and_selection_falls_back(tmp_path: Path) -> None:
         (empty, "is empty"),
         (truncated, "size mismatch"),
     ):
-        for load in (
-            lambda: ckpt.load_checkpoint(info),
-            lambda: ckpt.load_checkpoint(info.path),
-            lambda: ckpt.verify(info),
+        for check, arg in (
+            (ckpt.load_checkpoint, info),
+            (ckpt.load_checkpoint, info.path),
+            (ckpt.verify, info),
         ):
             with pytest.raises(CorruptCheckpointError, match=why) as e:
-                load()
+                check(arg)
             assert info.path in str(e.value)
-    with pytest.raises(CorruptCheckpointError, match="sha256 mismatch.*expected_sha256"):
+    with pytest.raises(CorruptCheckpointError, match=r"sha256 mismatch.*expected_sha256"):
         ckpt.load_checkpoint(good.path, expected_sha256="0" * 64)
     os.unlink(good.meta_path)
     with pytest.raises(CheckpointError, match="no sidecar and no expected_sha256"):
