@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
 
     combos = [(s, v) for s in args.seeds for v in args.variants]
     print(
-        f"example_seeds: {len(combos)} runs, {args.jobs} at a time, world size 1 (batch 32 = 2 ranks x 16)",
+        f"example_seeds: {len(combos)} runs, {args.jobs} at a time, "
+        "world size 1 (batch 32 = 2 ranks x 16)",
         flush=True,
     )
     t0 = time.time()

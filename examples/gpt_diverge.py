@@ -226,7 +226,8 @@ def train(args: argparse.Namespace, on_step=None) -> dict:
     lr_scale = float(
         getattr(sg, "lr_scale", 1.0)
     )  # the supervisor's scale, applied inside optimizer.step
-    # checkpoints need a directory (--ckpt-dir or SPIKEGUARD_CKPT_DIR); without one, none are written
+    # checkpoints need a directory (--ckpt-dir or SPIKEGUARD_CKPT_DIR); without one, none are
+    # written
     ckpt_every = args.ckpt_every if getattr(sg, "ckpt_dir", None) else 0
     metrics = open(args.metrics, "a", encoding="utf-8") if (args.metrics and rank == 0) else None
     history: list[tuple[int, float]] = []
@@ -236,7 +237,8 @@ def train(args: argparse.Namespace, on_step=None) -> dict:
     t0 = time.time()
     if rank == 0:
         print(
-            f"gpt_diverge: world={world} batch={args.batch}x{args.seq}/rank steps={start}..{args.steps} "
+            f"gpt_diverge: world={world} batch={args.batch}x{args.seq}/rank "
+            f"steps={start}..{args.steps} "
             f"lr {args.lr_start:g}->{args.lr_peak:g} (warmup {args.warmup}) qk_norm={args.qk_norm} "
             f"sdk={'off' if args.no_sdk else 'on'} lr_scale={lr_scale:g} "
             f"checkpoints={'every ' + str(ckpt_every) if ckpt_every else 'off'}",
@@ -302,7 +304,8 @@ def train(args: argparse.Namespace, on_step=None) -> dict:
                 if args.log_every and step % args.log_every == 0:
                     ml = f" max_logit {max_logit:.1f}" if max_logit is not None else ""
                     print(
-                        f"step {step:5d} loss {global_loss:.4f} lr {lr * lr_scale:.3e} gnorm {gn:.3g}{ml} "
+                        f"step {step:5d} loss {global_loss:.4f} lr {lr * lr_scale:.3e} "
+                        f"gnorm {gn:.3g}{ml} "
                         f"({time.time() - t0:.1f}s)",
                         flush=True,
                     )
@@ -323,7 +326,7 @@ def train(args: argparse.Namespace, on_step=None) -> dict:
     sg.close()
     wall = time.time() - t0
     if rank == 0 and history:
-        losses = [l for _, l in history]
+        losses = [loss for _, loss in history]
         tail = losses[-50:]
         spike = first_spike(losses, [s for s, _ in history])
         print(

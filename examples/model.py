@@ -134,7 +134,7 @@ class GPT(nn.Module):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        b, t = idx.shape
+        _, t = idx.shape
         pos = torch.arange(t, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -75,7 +75,8 @@ class Threshold(_Leaf):
     """Fires while the signal is strictly below (or above) a fixed value."""
 
     signal: Signal
-    """The signal to compare: a per-layer signal (grade, erank_ratio, attn_entropy_*, max_logit, logz_*) or loss, grad_norm, lr."""
+    """The signal to compare: a per-layer signal (grade, erank_ratio, attn_entropy_*, max_logit,
+    logz_*) or loss, grad_norm, lr."""
     below: float | None = Field(
         None,
         json_schema_extra={
@@ -115,7 +116,8 @@ class Change(_Leaf):
     signal: Signal
     """The signal to watch."""
     drops_by: float | None = Field(None, gt=0)
-    """Fire when the value is at least this much below the highest value in the window (≥, not >)."""
+    """Fire when the value is at least this much below the highest value in the window (≥, not
+    >)."""
     rises_by: float | None = Field(None, gt=0)
     """Fire when the value is at least this much above the lowest value in the window."""
     within: DurationOf("samples", "steps") = Field("2 samples", validate_default=True)  # type: ignore[valid-type]
@@ -133,12 +135,14 @@ class Change(_Leaf):
 
 
 class Trailing(_Leaf):
-    """Compares the value with the trailing median of the same series (ratio and/or robust z-score)."""
+    """Compares the value with the trailing median of the same series (ratio and/or robust
+    z-score)."""
 
     signal: Signal
     """The signal to watch."""
     window: DurationOf("samples", "steps")  # type: ignore[valid-type]
-    """Trailing window the median is taken over (values before the current one); it must be full before the rule can fire."""
+    """Trailing window the median is taken over (values before the current one); it must be full
+    before the rule can fire."""
     above_median: float | None = Field(None, gt=0)
     """Fire when value > this × median (e.g. 1.5 for a loss spike)."""
     below_median: float | None = Field(None, gt=0)
@@ -154,7 +158,8 @@ class Trailing(_Leaf):
         down = self.below_median is not None or self.z_below is not None
         if up and down:
             fail(
-                "a trailing test watches one direction: use above_median/z_above or below_median/z_below"
+                "a trailing test watches one direction: use above_median/z_above or "
+                "below_median/z_below"
             )
         if self.window.value < 3:
             fail("the window needs at least 3 values for a median", "window")
@@ -197,7 +202,8 @@ class Hang(_Leaf):
     def _value(cls, v: Any) -> Any:
         if v is False:
             fail(
-                "write 'hang: true' or a minimum heartbeat age like 'hang: 5m' (or remove the condition)"
+                "write 'hang: true' or a minimum heartbeat age like 'hang: 5m' "
+                "(or remove the condition)"
             )
         return v
 
@@ -305,7 +311,7 @@ _ConditionUnion = Annotated[
 ]
 Condition = Annotated[
     _ConditionUnion,
-    BeforeValidator(_condition_input, json_schema_input_type=Union[str, _ConditionUnion]),
+    BeforeValidator(_condition_input, json_schema_input_type=str | _ConditionUnion),
 ]
 """A condition: a mapping (one test, or all:/any: of conditions) or a compact string (see expr)."""
 

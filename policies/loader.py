@@ -13,7 +13,7 @@ import types
 import typing
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -40,7 +40,7 @@ _INT_RE = re.compile(r"^(?:[-+]?[0-9]+|0x[0-9a-fA-F]+|0o[0-7]+)$")
 class _PolicyLoader(yaml.SafeLoader):
     """SafeLoader with YAML 1.2-style core resolvers and constructors."""
 
-    yaml_implicit_resolvers: dict = {
+    yaml_implicit_resolvers: ClassVar[dict] = {
         k: [
             (tag, rx)
             for tag, rx in v
@@ -85,7 +85,8 @@ class PolicyIssue:
 
 
 class PolicyError(Exception):
-    """A policy could not be loaded; ``str()`` is ``FILE:LINE:COL: path: message`` (the first issue)."""
+    """A policy could not be loaded; ``str()`` is ``FILE:LINE:COL: path: message`` (the first
+    issue)."""
 
     def __init__(self, issues: list[PolicyIssue]) -> None:
         self.issues = issues
@@ -201,7 +202,8 @@ class _Positions:
                 self.walk(value_node, path + (key,))
 
     def locate(self, loc: tuple, data: Any, at_key: bool) -> tuple[yaml.Node | None, tuple, int]:
-        """The node for a pydantic error location (skipping union tags), its data path, an offset."""
+        """The node for a pydantic error location (skipping union tags), its data path, an
+        offset."""
         path: tuple = ()
         offset = 0
         cur = data

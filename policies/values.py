@@ -98,7 +98,8 @@ GRADE_PATTERN = r"^S[0-7]$"
 
 
 def parse_grade(v: Any) -> int:
-    """``"S3"`` (or ``s3``) -> 3; an integer 0..7 is accepted as is (S7 is healthy, S0 the worst)."""
+    """``"S3"`` (or ``s3``) -> 3; an integer 0..7 is accepted as is (S7 is healthy, S0 the
+    worst)."""
     if is_grade(v):
         return int(v)
     if isinstance(v, str):

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from spikeguard.workers import checkpoint as ckpt
+from spikeguard.workers.checkpoint import select
 
 from . import recovery as rc
 from . import rundir
@@ -112,7 +112,8 @@ class Controller:
         return self.state.exit_code or 0
 
     def restart(self, events: list[dict[str, Any]]) -> None:
-        """Take over from a dead supervisor: state from the journal, fence, reap survivors, go on."""
+        """Take over from a dead supervisor: state from the journal, fence, reap survivors, go
+        on."""
         self.state = rc.fold(events)
         st = self.state
         inc = st.incident.id if st.incident else None
@@ -257,13 +258,12 @@ class Controller:
 
     def _select(self, eff: rc.SelectCheckpoint) -> rc.CheckpointChosen:
         """The newest checkpoint that qualifies and verifies (read from the sidecars)."""
-        infos = ckpt.list_checkpoints(self.ckpt_dir)
-        infos = [i for i in infos if _on_lineage(eff.lineage, i.generation, i.step)]
-        chosen, skipped = ckpt.select_checkpoint(
-            infos,
+        chosen, skipped = select.select_checkpoint(
+            select.list_checkpoints(self.ckpt_dir),
             min_grade=eff.min_grade,
             before_step=eff.before_step,
             min_steps_back=eff.min_steps_back,
+            lineage=eff.lineage,
         )
         passed_over = tuple((s.path, why) for s, why in skipped)
         if chosen is None:
@@ -360,17 +360,6 @@ class Controller:
     def close(self) -> None:
         self._reports.close()
         self.journal.close()
-
-
-def _on_lineage(lineage: tuple[tuple[int, int | None], ...], generation: int, step: int) -> bool:
-    """A checkpoint counts only if it lies on the path the current generation descends from."""
-    limit: float = float("inf")
-    for g, branched_at in reversed(lineage):
-        if generation == g:
-            return step <= limit
-        if branched_at is not None:
-            limit = min(limit, branched_at)
-    return False
 
 
 def _jsonable(x: Any) -> Any:

@@ -17,13 +17,16 @@ class Kind(str, enum.Enum):
     """What an event records. The first group is the recovery story, the second bookkeeping."""
 
     LAUNCH = "launch"
-    """A generation of ranks was started (initial, after a recovery, a launch failure, a restart)."""
+    """A generation of ranks was started (initial, after a recovery, a launch failure, a
+    restart)."""
     INCIDENT = "incident"
-    """A rule decided to recover (or an incident escalated at once): the rule, signal, rank, step."""
+    """A rule decided to recover (or an incident escalated at once): the rule, signal, rank,
+    step."""
     KILL = "kill"
     """Every rank of the generation was killed; the generation is fenced."""
     ROLLBACK = "rollback"
-    """The checkpoint to resume from was chosen (or none qualified), with what was skipped and why."""
+    """The checkpoint to resume from was chosen (or none qualified), with what was skipped and
+    why."""
     LR_CUT = "lr_cut"
     """The learning-rate scale was multiplied by the attempt's factor."""
     OPTIMIZER_RESET = "optimizer_reset"

@@ -28,16 +28,20 @@ class Timeouts(_Strict):
     kill_grace_s: float = Field(0.0, ge=0)
     """SIGTERM first and wait this long before SIGKILL (0: SIGKILL at once)."""
     restart_backoff_s: float = Field(2.0, ge=0)
-    """Wait before relaunch attempt n of an incident (and launch retry n): this x 2^(n-1) seconds."""
+    """Wait before relaunch attempt n of an incident (and launch retry n): this x 2^(n-1)
+    seconds."""
     restart_backoff_max_s: float = Field(60.0, ge=0)
     """Cap of that exponential backoff."""
     launch_retries: int = Field(3, ge=0)
-    """A rank exiting non-zero before its first heartbeat is a launch failure: relaunched (fresh port, new
-    generation) up to this many times in a row, outside the policy's recovery budget; then the job fails."""
+    """A rank exiting non-zero before its first heartbeat is a launch failure: relaunched (fresh
+    port, new generation) up to this many times in a row, outside the policy's recovery budget;
+    then the job fails."""
     agent_timeout_s: float = Field(30.0, gt=0)
-    """A rank agent that does not answer polls for this long is lost (its node froze or was partitioned)."""
+    """A rank agent that does not answer polls for this long is lost (its node froze or was
+    partitioned)."""
     reap_interval_s: float = Field(30.0, gt=0)
-    """How often rank processes of replaced generations (frozen nodes come back) are looked for and killed."""
+    """How often rank processes of replaced generations (frozen nodes come back) are looked for and
+    killed."""
 
 
 class RaySettings(_Strict):
@@ -46,12 +50,14 @@ class RaySettings(_Strict):
     object_store_mb: int = Field(256, ge=80)
     """Object store size of the embedded Ray (Ray would otherwise reserve 30 % of RAM)."""
     num_cpus: int | None = Field(None, ge=1)
-    """Logical CPUs of the embedded Ray (default: enough for the workers, at least the machine's)."""
+    """Logical CPUs of the embedded Ray (default: enough for the workers, at least the
+    machine's)."""
 
 
 class SlackJob(_Strict):
     channel: str | None = None
-    """Slack channel id or name; default from SPIKEGUARD_SLACK_CHANNEL. The token comes from SLACK_BOT_TOKEN only."""
+    """Slack channel id or name; default from SPIKEGUARD_SLACK_CHANNEL. The token comes from
+    SLACK_BOT_TOKEN only."""
     mention: str | None = None
     """Who a page mentions, e.g. ``<!subteam^S0123>`` or ``<@U0123>``."""
 
@@ -65,7 +71,8 @@ class JobSpec(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
     """Run name: letters, digits, ``.``, ``_``, ``-``."""
     entrypoint: str = Field(min_length=1)
-    """A torchrun-style training script (path, relative to the job file), or ``-m package.module``."""
+    """A torchrun-style training script (path, relative to the job file), or ``-m
+    package.module``."""
     args: list[str] = []
     """Arguments passed to the entrypoint."""
     workers: int = Field(2, ge=1, le=4096)
@@ -75,7 +82,8 @@ class JobSpec(_Strict):
     gpus_per_worker: float = Field(0.0, ge=0)
     """GPUs reserved per rank (0 on CPU machines)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend hint, exported as SPIKEGUARD_BACKEND (auto: nccl with GPUs, else gloo)."""
+    """torch.distributed backend hint, exported as SPIKEGUARD_BACKEND (auto: nccl with GPUs, else
+    gloo)."""
     run_dir: str = "runs/{name}"
     """Where the journal, reports, checkpoints and logs go (``{name}`` is substituted)."""
     checkpoint_every: int | None = Field(None, ge=1)
@@ -83,7 +91,8 @@ class JobSpec(_Strict):
     sample_every: int | None = Field(None, ge=1)
     """Probe interval override, exported as SPIKEGUARD_SAMPLE_EVERY."""
     policy: str = "default"
-    """A policy file (relative to the job file) or a built-in name: default, conservative, aggressive."""
+    """A policy file (relative to the job file) or a built-in name: default, conservative,
+    aggressive."""
     env: dict[str, str] = {}
     """Extra environment variables for the ranks (never secrets: those stay in your environment)."""
     timeouts: Timeouts = Timeouts()

@@ -37,7 +37,8 @@ def write_atomic(path: Path, text: str, *, fsync: bool = False) -> None:
 
 
 def highest_generation(run_dir: Path) -> int:
-    """The highest generation with a plan or a log on disk (a launch that began, journaled or not)."""
+    """The highest generation with a plan or a log on disk (a launch that began, journaled or
+    not)."""
     best = 0
     for sub in ("plans", "logs"):
         try:
@@ -56,7 +57,8 @@ class LockHeld(RuntimeError):
 
 
 def acquire_lock(run_dir: Path) -> IO[str]:
-    """Hold ``RUN_DIR/supervisor.lock`` for this process's lifetime (released by the kernel on any exit).
+    """Hold ``RUN_DIR/supervisor.lock`` for this process's lifetime (the kernel releases it on
+    any exit).
 
     Raises :class:`LockHeld` naming the holder when another supervisor runs this run directory.
     """
@@ -76,7 +78,8 @@ def acquire_lock(run_dir: Path) -> IO[str]:
     f.seek(0)
     f.truncate()
     f.write(
-        f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
+        f"pid {os.getpid()} on {socket.gethostname()} "
+        f"since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
     )
     f.flush()
     return f

@@ -91,7 +91,8 @@ def toy_job(
     env: dict[str, str] | None = None,
     **fields: Any,
 ):
-    """A JobSpec for tests/scripts/toy_rank.py (short backoff and reap interval unless ``timeouts`` says)."""
+    """A JobSpec for tests/scripts/toy_rank.py (short backoff and reap interval unless ``timeouts``
+    says)."""
     from spikeguard.supervisor.job import JobSpec
 
     args = ["--steps", str(steps), *(extra_args or [])]

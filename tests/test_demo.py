@@ -1,4 +1,5 @@
-"""`spikeguard demo` end to end: the diverging example, 2 real ranks on an embedded Ray, recovered."""
+"""`spikeguard demo` end to end: the diverging example, 2 real ranks on an embedded Ray,
+recovered."""
 
 from __future__ import annotations
 

@@ -63,7 +63,8 @@ def _int64(v: object) -> bool:
 
 
 def structural_to_jsonschema(node: Any, *, strict: bool = True) -> Any:
-    """A Kubernetes structural schema (OpenAPI v3 subset + x-kubernetes-*) as a Draft 4 JSON Schema."""
+    """A Kubernetes structural schema (OpenAPI v3 subset + x-kubernetes-*) as a Draft 4 JSON
+    Schema."""
     if isinstance(node, list):
         return [structural_to_jsonschema(n, strict=strict) for n in node]
     if not isinstance(node, dict):
@@ -130,7 +131,8 @@ _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 def k8s_errors(manifest: Any, *, strict: bool = True) -> list[str]:
-    """Why ``manifest`` (a RayJob or RayCluster) would be refused, as 'path: message' lines; [] if valid."""
+    """Why ``manifest`` (a RayJob or RayCluster) would be refused, as 'path: message' lines; [] if
+    valid."""
     if not isinstance(manifest, dict):
         return [f"<root>: a manifest is a mapping, got {type(manifest).__name__}"]
     kind, api = manifest.get("kind"), str(manifest.get("apiVersion", ""))
@@ -232,9 +234,10 @@ def image_path_source(image_path: str) -> Path | None:
                     rel = image_path[len(dest.rstrip("/")) + 1 :]
                     if (ROOT / rel).exists() and not _dockerignored(rel):
                         found = ROOT / rel
-            elif dest == image_path or (dest.endswith("/") and dest + Path(src).name == image_path):
-                if not _dockerignored(src):
-                    found = ROOT / src
+            elif (
+                dest == image_path or (dest.endswith("/") and dest + Path(src).name == image_path)
+            ) and not _dockerignored(src):
+                found = ROOT / src
     return found
 
 
@@ -244,7 +247,8 @@ def _job_gpu():
     return load_job(DEPLOY / "job-gpu.yaml")
 
 
-# -- the manifests against the CRDs -----------------------------------------------------------------
+# -- the manifests against the CRDs
+# -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("key", sorted(MANIFESTS))
@@ -334,7 +338,8 @@ def test_int_or_string_and_nullable_translation() -> None:
     assert not v.is_valid({"unknown": 1})
 
 
-# -- the example job and how the manifests run it ---------------------------------------------------
+# -- the example job and how the manifests run it
+# ---------------------------------------------------
 
 
 def test_job_gpu_loads_with_the_real_job_model() -> None:
@@ -516,7 +521,8 @@ def test_readme_gives_the_three_ways_and_its_links_exist() -> None:
     text = (DEPLOY / "README.md").read_text(encoding="utf-8")
     for cmd in (
         "spikeguard submit job.yaml --address auto",
-        "ray job submit --address http://HEAD:8265 --working-dir . -- spikeguard submit job.yaml --address auto",
+        "ray job submit --address http://HEAD:8265 --working-dir . -- "
+        "spikeguard submit job.yaml --address auto",
         "kubectl apply -f deploy/kuberay/rayjob.yaml",
         "kubectl apply -f deploy/kuberay/raycluster.yaml",
         "docker build -f deploy/Dockerfile -t spikeguard:latest .",

@@ -1,4 +1,5 @@
-"""The journal -> state fold, restarts, fail-fast, launch failures and backoff: the pure machine, no Ray."""
+"""The journal -> state fold, restarts, fail-fast, launch failures and backoff: the pure machine, no
+Ray."""
 
 from __future__ import annotations
 

@@ -53,7 +53,8 @@ def cluster():
 
 @pytest.fixture
 def nodes(cluster):
-    """The cluster with three live worker nodes (a node lost by an earlier test is replaced first)."""
+    """The cluster with three live worker nodes (a node lost by an earlier test is replaced
+    first)."""
     import ray
 
     live = sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU"))

@@ -1,4 +1,5 @@
-"""The reaper: finds a run's rank processes of replaced generations by their environment and kills them."""
+"""The reaper: finds a run's rank processes of replaced generations by their environment and kills
+them."""
 
 from __future__ import annotations
 

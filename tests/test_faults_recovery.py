@@ -1,5 +1,6 @@
-"""Faults during the recovery itself, on real Ray + gloo: a kill that hangs, a relaunch that cannot bind
-its port, and checkpoints on disk that are corrupt or malicious when the rollback needs them."""
+"""Faults during the recovery itself, on real Ray + gloo: a kill that hangs, a relaunch that
+cannot bind its port, and checkpoints on disk that are corrupt or malicious when the rollback
+needs them."""
 
 from __future__ import annotations
 

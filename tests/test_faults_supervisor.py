@@ -70,7 +70,8 @@ def test_a_supervisor_killed_mid_recovery_and_mid_training_resumes_from_the_jour
     job.write_text(JOB.format(script=SCRIPTS / "toy_rank.py", policy=POLICY, run_dir=run_dir))
     log = tmp_path / "supervisors.log"
     with FakeSlack() as fake:
-        # 1. killed during the relaunch backoff: incident, kill and rollback journaled, no launch yet
+        # 1. killed during the relaunch backoff: incident, kill and rollback journaled, no launch
+        # yet
         a = Supervisor(job, log, fake.api_url)
         w = When(
             run_dir,

@@ -377,7 +377,8 @@ def test_residual_rows_are_sampled_deterministically(gpt: TinyGPT) -> None:
         p.remove()
     assert res[0] == res[1]
     full = S.effective_rank_ratio(block_outputs(gpt, ["transformer.h.0"], idx)["transformer.h.0"])
-    # 20 sampled rows of width 16: the ratio is relative to min(20, 16, 32) and differs from the full one
+    # 20 sampled rows of width 16: the ratio is relative to min(20, 16, 32) and differs from the
+    # full one
     assert 0 < res[0]["transformer.h.0"]["erank_ratio"] <= 1
     assert res[0]["transformer.h.0"]["erank_ratio"] != pytest.approx(full, rel=1e-6)
 

@@ -33,7 +33,8 @@ def train_step(model, opt, sg, step, lr=1e-2):
 
 
 def test_full_bounded_queue_never_blocks_step(tmp_path, monkeypatch):
-    """An agent that accepts the connection but never reads: step() must not block; drops are counted."""
+    """An agent that accepts the connection but never reads: step() must not block; drops are
+    counted."""
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     path = str(tmp_path / "s.sock")
     srv.bind(path)

@@ -1,4 +1,5 @@
-"""The supervisor end to end on real Ray + gloo with 2 ranks, faults injected into real processes."""
+"""The supervisor end to end on real Ray + gloo with 2 ranks, faults injected into real
+processes."""
 
 from __future__ import annotations
 

@@ -232,7 +232,8 @@ class Probes:
         max_batch: batch elements used for attention (the first ones).
         causal: attention masks of the projection convention (and record_qk's default).
         thresholds: grade thresholds (see :func:`signals.grade_of`).
-        seed: seed of the private sampling generator (re-seeded per step from ``seed`` and the step).
+        seed: seed of the private sampling generator (re-seeded per step from ``seed`` and the
+            step).
         strict: raise probe errors instead of recording them in ``errors``.
     """
 
@@ -326,7 +327,8 @@ class Probes:
         return self._last_step
 
     def arm(self, step: int) -> None:
-        """Arm for ``step``: the next forward passes compute signals. Drops uncollected older results."""
+        """Arm for ``step``: the next forward passes compute signals. Drops uncollected older
+        results."""
         if self._step == step:
             return
         self._results.clear()
@@ -376,7 +378,8 @@ class Probes:
         causal: bool | None = None,
         scale: float | None = None,
     ) -> None:
-        """Attention signals of ``module`` from its SDPA inputs; no-op unless armed (see :func:`record_qk`)."""
+        """Attention signals of ``module`` from its SDPA inputs; no-op unless armed (see
+        :func:`record_qk`)."""
         if self._step is None:
             return
         name = self._names.get(module)

@@ -243,7 +243,8 @@ def attention_stats(
     """
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError(
-            f"q and k must be [batch, heads, seq, head_dim], got {tuple(q.shape)} and {tuple(k.shape)}"
+            "q and k must be [batch, heads, seq, head_dim], "
+            f"got {tuple(q.shape)} and {tuple(k.shape)}"
         )
     b, hq, sq, dim = q.shape
     bk, hk, sk, dk = k.shape

@@ -9,7 +9,8 @@ from ..job import JobSpec
 
 
 def init_ray(job: JobSpec) -> bool:
-    """Attach to ``job.ray.address`` or start an embedded local Ray. Returns True if we started it."""
+    """Attach to ``job.ray.address`` or start an embedded local Ray. Returns True if we started
+    it."""
     import ray
 
     if ray.is_initialized():

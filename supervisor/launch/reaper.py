@@ -47,7 +47,8 @@ def _state(pid: int) -> str:
 
 
 def find(ckpt_dir: str, below_generation: int) -> list[dict[str, Any]]:
-    """This host's processes of the run with ``ckpt_dir`` whose generation is below ``below_generation``."""
+    """This host's processes of the run with ``ckpt_dir`` whose generation is below
+    ``below_generation``."""
     out = []
     me = os.getpid()
     try:
@@ -78,7 +79,8 @@ def find(ckpt_dir: str, below_generation: int) -> list[dict[str, Any]]:
 
 
 def kill_stale(ckpt_dir: str, below_generation: int) -> list[dict[str, Any]]:
-    """SIGKILL (works on stopped processes too) what :func:`find` returns; returns what was killed."""
+    """SIGKILL (works on stopped processes too) what :func:`find` returns; returns what was
+    killed."""
     killed = []
     for proc in find(ckpt_dir, below_generation):
         pid = proc["pid"]

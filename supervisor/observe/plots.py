@@ -74,7 +74,7 @@ def plot_run(run_dir: str | Path, *, rank: int = 0) -> Path:
         if ev["kind"] == "rollback" and isinstance(ev.get("checkpoint_step"), int):
             for ax in axes:
                 ax.axvline(ev["checkpoint_step"], color="green", ls=":", lw=1)
-    axes[0].set_ylabel("loss (rank %d)" % rank)
+    axes[0].set_ylabel(f"loss (rank {rank})")
     axes[0].set_yscale("log")
     axes[1].set_ylabel("grade (min over layers)")
     axes[1].set_ylim(-0.5, 7.5)

@@ -349,7 +349,8 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
     return Transition(st, (Launch(plan, backoff_attempt=inc.attempts),), tuple(events))
 
 
-# ---- 4. RELAUNCHING: the new generation is up -----------------------------------------------------
+# ---- 4. RELAUNCHING: the new generation is up
+# -----------------------------------------------------
 @_on([Phase.RELAUNCHING], Launched)
 def step4_launched(state: State, obs: Launched) -> Transition:
     """4. The new generation is up: probation after a recovery, else back where it was."""

@@ -14,7 +14,7 @@ import dataclasses
 import enum
 import hashlib
 import json
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from spikeguard.workers.contract.plan import ResumePlan
 
@@ -301,20 +301,20 @@ class Restarted:
     """The (restarted) job's launch retries."""
 
 
-Observation = Union[
-    Start,
-    Launched,
-    LaunchFailed,
-    RankExited,
-    Recover,
-    Notify,
-    Killed,
-    CheckpointChosen,
-    Progress,
-    Finished,
-    StopRequested,
-    Restarted,
-]
+Observation = (
+    Start
+    | Launched
+    | LaunchFailed
+    | RankExited
+    | Recover
+    | Notify
+    | Killed
+    | CheckpointChosen
+    | Progress
+    | Finished
+    | StopRequested
+    | Restarted
+)
 OBSERVATIONS: dict[str, type] = {
     cls.__name__: cls
     for cls in (
@@ -370,7 +370,7 @@ class Shutdown:
     exit_code: int
 
 
-Effect = Union[Kill, SelectCheckpoint, Launch, Shutdown]
+Effect = Kill | SelectCheckpoint | Launch | Shutdown
 Event = dict[str, Any]
 
 

@@ -37,7 +37,8 @@ from spikeguard.examples.model import GPT
 
 
 def faults(rank: int, gen: int, start: int = 0) -> tuple[dict[int, str], set[str], int | None]:
-    """(this rank's {step: mode}, this rank's step-less modes, the step from which all ranks go solo)."""
+    """(this rank's {step: mode}, this rank's step-less modes, the step from which all ranks go
+    solo)."""
     out: dict[int, str] = {}
     flags: set[str] = set()
     solo: int | None = None
@@ -88,7 +89,8 @@ def write_garbage(gen: int) -> None:
 
 
 def zombie(sg: sgw.Session, model: torch.nn.Module, step: int) -> None:
-    """Freeze; once continued, behave like a rank that outlived its generation and keeps training."""
+    """Freeze; once continued, behave like a rank that outlived its generation and keeps
+    training."""
     out = os.environ.get("SG_ZOMBIE_OUT", os.devnull)
     os.kill(os.getpid(), signal.SIGSTOP)
     for i in range(1, 10**6):

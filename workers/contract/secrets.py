@@ -15,6 +15,7 @@ out of a text before it reaches a journal, a log or a console.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -73,7 +74,7 @@ def secret_key(name: Any) -> bool:
     words = _words(name)
     if any(w in _SECRET_WORDS for w in words):
         return True
-    return any(pair in _SECRET_PAIRS for pair in zip(words, words[1:]))
+    return any(pair in _SECRET_PAIRS for pair in itertools.pairwise(words))
 
 
 def secret_value(value: Any) -> str | None:

@@ -7,6 +7,7 @@ the supervisor shows them.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -82,7 +83,7 @@ def check_thresholds(thresholds: tuple[float, ...]) -> None:
     for v in t:
         if not _number(v) or not 0.0 < v < 1.0:
             raise ValueError(f"grade thresholds must be numbers in (0, 1), got {t}")
-    if any(a <= b for a, b in zip(t, t[1:])):
+    if any(a <= b for a, b in itertools.pairwise(t)):
         raise ValueError(f"grade thresholds must be strictly decreasing, got {t}")
 
 
