@@ -75,16 +75,21 @@ class Collector:
         try:
             msg = json.loads(line)
         except (ValueError, UnicodeDecodeError):
-            return self._drop("malformed")
+            self._drop("malformed")
+            return None
         if not isinstance(msg, dict):
-            return self._drop("malformed")
+            self._drop("malformed")
+            return None
         why = _invalid(msg)
         if why:
-            return self._drop(why)
+            self._drop(why)
+            return None
         if msg["rank"] != rank or rank not in self.ranks:
-            return self._drop("unknown_rank")
+            self._drop("unknown_rank")
+            return None
         if self.generation is None or msg["gen"] != self.generation:
-            return self._drop("stale_generation")
+            self._drop("stale_generation")
+            return None
         msg["at"] = round(now, 3)
         v = self.ranks[rank]
         v.last_seen = now
@@ -214,7 +219,6 @@ class Collector:
 
     def _drop(self, why: str) -> None:
         self.dropped[why] += 1
-        return None
 
 
 def _invalid(msg: dict[str, Any]) -> str | None:

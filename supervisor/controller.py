@@ -173,7 +173,8 @@ class Controller:
             if self.collector.generation != gen:
                 return  # acted upon: the generation was fenced (and maybe replaced)
         if msg["type"] == "exit":
-            details = {k: msg[k] for k in ("step", "log_tail", "lost", "host") if k in msg}
+            keys = ("step", "log_tail", "lost", "host")
+            details: dict[str, Any] = {k: msg[k] for k in keys if k in msg}
             self._apply(
                 rc.RankExited(
                     rank=msg["rank"],

@@ -275,7 +275,7 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
             f"no checkpoint graded >= S{s.min_grade} at least {s.min_steps_back} steps before "
             f"step {inc.step} verifies"
         )
-        events = (
+        ends = (
             _ev(
                 Kind.ROLLBACK,
                 Reason.NO_HEALTHY_CHECKPOINT,
@@ -288,7 +288,7 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
             _ev(Kind.ESCALATED, Reason.NO_HEALTHY_CHECKPOINT, why, inc, hold=False),
         )
         st = _replace(state, phase=Phase.ESCALATED, exit_code=ExitCode.ESCALATED)
-        return Transition(st, (Shutdown(ExitCode.ESCALATED),), events)
+        return Transition(st, (Shutdown(ExitCode.ESCALATED),), ends)
     factor = lr_factor(s, inc.attempts)
     scale = state.lr_scale * factor
     skip: tuple[tuple[int, int], ...] = ()

@@ -71,7 +71,7 @@ class CheckpointInfo:
         None if absent or not an integer (a bool, a string, NaN and 6.5 are not).
         """
         g = self.meta.get("grade")
-        if type(g) not in (int, float):
+        if not isinstance(g, (int, float)) or isinstance(g, bool):
             return None
         if not float(g).is_integer():
             return None

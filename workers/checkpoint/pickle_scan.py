@@ -250,7 +250,7 @@ def scan_pickle(data: bytes, where: str = "pickle") -> frozenset[str]:
                     "weights-only unpickler supports"
                 )
             if opcode.name == "GLOBAL":
-                names.add(_global_name(data, pos, where))
+                names.add(_global_name(data, pos or 0, where))
     except ValueError as e:
         raise CorruptCheckpointError(f"{where}: undecodable pickle: {e}") from e
     refused = sorted(names - ALLOWED_GLOBALS)
