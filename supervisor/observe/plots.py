@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .journal import read_events
+from ..journal import read_events
 
 
 def read_reports(run_dir: str | Path) -> list[dict[str, Any]]:
