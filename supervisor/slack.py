@@ -41,9 +41,9 @@ from .slack_blocks import (
     standalone_step_message,
     step_message,
 )
-from .slack_cmd import SlackSettings, refuse_secret_in_config, web_client, webhook_client
+from .slack_cmd import SlackSettings, web_client, webhook_client
 
-__all__ = ["SlackNotifier", "SlackSettings", "refuse_secret_in_config"]
+__all__ = ["SlackNotifier", "SlackSettings"]
 
 log = logging.getLogger("spikeguard.slack")
 Journal = Callable[[dict], None]

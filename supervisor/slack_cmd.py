@@ -2,7 +2,6 @@
 
 * :class:`SlackSettings`: typed settings; secrets come only from the environment
   (``SLACK_BOT_TOKEN``, ``SPIKEGUARD_SLACK_WEBHOOK_URL``), never from a job or policy file.
-* :func:`refuse_secret_in_config`: refuses a job file that holds a Slack token or webhook URL.
 * :func:`web_client`: the slack-sdk ``WebClient`` the notifier and the command share, with the
   opt-in ``RateLimitErrorRetryHandler`` (429 ``Retry-After``) installed.
 * :func:`register`: adds ``spikeguard slack test [--channel C]`` to the CLI; exit 0 when a test
@@ -27,18 +26,6 @@ from slack_sdk.http_retry import ConnectionErrorRetryHandler, RateLimitErrorRetr
 from slack_sdk.webhook import WebhookClient
 
 DEFAULT_API_URL = "https://slack.com/api/"
-_TOKEN_RE = re.compile(r"\b(xox[abposre]-|xapp-)[A-Za-z0-9-]+")
-_HOOK_RE = re.compile(r"https://hooks\.slack(-gov)?\.com/")
-_SECRET_KEYS = {
-    "slack_token",
-    "slack_bot_token",
-    "bot_token",
-    "app_token",
-    "slack_webhook",
-    "slack_webhook_url",
-    "webhook_url",
-    "signing_secret",
-}
 
 
 @dataclass(frozen=True)
@@ -173,41 +160,6 @@ def normalize_mention(mention: str | None) -> str | None:
     raise ValueError(
         f"slack mention {mention!r} would notify nobody: use a user ID (U…), a user "
         "group ID (S…), <@U…>, <!subteam^S…> or <!here>"
-    )
-
-
-def refuse_secret_in_config(mapping: Any, filename: str) -> None:
-    """Raise ValueError if a job-file mapping holds a Slack token or webhook URL anywhere.
-
-    The secret itself is never echoed; the error names the file and the key path.
-    """
-
-    def walk(node: Any, path: str) -> None:
-        if isinstance(node, Mapping):
-            for k, v in node.items():
-                key, sub = str(k), f"{path}.{k}" if path else str(k)
-                in_slack = any(w in path.lower() for w in ("slack", "notify"))
-                named = key.lower() in _SECRET_KEYS or (
-                    in_slack and key.lower() in ("token", "webhook")
-                )
-                if named and v not in (None, ""):
-                    _refuse(filename, sub, "secret")
-                walk(v, sub)
-        elif isinstance(node, (list, tuple)):
-            for i, v in enumerate(node):
-                walk(v, f"{path}[{i}]")
-        elif isinstance(node, str) and (_TOKEN_RE.search(node) or _HOOK_RE.search(node)):
-            _refuse(filename, path, "token" if _TOKEN_RE.search(node) else "webhook URL")
-
-    walk(mapping, "")
-
-
-def _refuse(filename: str, path: str, what: str) -> None:
-    raise ValueError(
-        f"{filename}: '{path}' holds a Slack {what}. Secrets must not be written in job or "
-        "policy files (they get committed and copied into run directories): remove it and "
-        "export SLACK_BOT_TOKEN (or SPIKEGUARD_SLACK_WEBHOOK_URL for webhook mode) in the "
-        "supervisor's environment instead."
     )
 
 
