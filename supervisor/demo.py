@@ -8,8 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .console import describe
 from .journal import read_events
+from .notify.console import describe
 
 
 def run_demo(
@@ -49,8 +49,10 @@ def run_demo(
         timeouts={"heartbeat_s": 60, "first_heartbeat_s": 180},
     )
     print(
-        f"spikeguard demo: {workers} ranks of examples/gpt_diverge.py (a GPT whose LR warm-up overshoots)\n"
-        f"  run directory: {run_path}\n  watch from another terminal: spikeguard status {run_path}\n",
+        f"spikeguard demo: {workers} ranks of examples/gpt_diverge.py "
+        "(a GPT whose LR warm-up overshoots)\n"
+        f"  run directory: {run_path}\n"
+        f"  watch from another terminal: spikeguard status {run_path}\n",
         flush=True,
     )
     code = run_job(job, live=True)
@@ -81,6 +83,6 @@ def story(run_dir: Path) -> None:
     last = events[-1] if events else {}
     if last.get("kind") == "completed":
         print(
-            f"\nfinal loss {last.get('final_loss'):.3f} — see the README for the unsupervised run of the "
-            "same recipe, which diverges"
+            f"\nfinal loss {last.get('final_loss'):.3f} — see the README for the unsupervised run "
+            "of the same recipe, which diverges"
         )

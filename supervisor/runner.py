@@ -11,17 +11,18 @@ from spikeguard.workers.contract.exitcodes import ExitCode
 
 from . import recovery as rc
 from . import rundir
-from .console import ConsoleNotifier, LiveView
 from .controller import Controller
 from .job import JobSpec
 from .journal import read_events
+from .notify.console import ConsoleNotifier, LiveView
 from .workers import GroupSpec, WorkerGroup, python_cmd
 
 EXIT_FAILED, EXIT_BAD_INPUT = ExitCode.FAILED, ExitCode.BAD_INPUT  # kept for callers of run_job
 
 
 def init_ray(job: JobSpec) -> bool:
-    """Attach to ``job.ray.address`` or start an embedded local Ray. Returns True if we started it."""
+    """Attach to ``job.ray.address`` or start an embedded local Ray. Returns True if we started
+    it."""
     import ray
 
     if ray.is_initialized():
@@ -58,11 +59,11 @@ def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> l
         return notifiers
     if not (os.environ.get("SLACK_BOT_TOKEN") or os.environ.get("SPIKEGUARD_SLACK_WEBHOOK_URL")):
         print(
-            "spikeguard: Slack is configured but neither SLACK_BOT_TOKEN nor SPIKEGUARD_SLACK_WEBHOOK_URL "
-            "is set; notifying on the console only"
+            "spikeguard: Slack is configured but neither SLACK_BOT_TOKEN nor "
+            "SPIKEGUARD_SLACK_WEBHOOK_URL is set; notifying on the console only"
         )
         return notifiers
-    from .slack import SlackNotifier, SlackSettings
+    from .notify.slack import SlackNotifier, SlackSettings
 
     settings = SlackSettings.from_env(
         channel=(
@@ -83,7 +84,8 @@ def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> l
 
 
 def finished_outcome(events: list[dict[str, Any]]) -> rc.State | None:
-    """The folded state if the journal ends the run (completed, failed, escalated, stopped), else None."""
+    """The folded state if the journal ends the run (completed, failed, escalated, stopped), else
+    None."""
     st = rc.fold(events)
     return st if st.phase in rc.TERMINAL else None
 
@@ -113,8 +115,8 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         )
         print(
             f"spikeguard: run {job.name} in {run_dir} already finished: {done.phase.value.lower()} "
-            f"(exit code {done.exit_code}) at {last.get('time', '?')}: {last.get('reason', '')}. Nothing to do; "
-            "its journal is final. Use another --run-dir or --name for a new run.",
+            f"(exit code {done.exit_code}) at {last.get('time', '?')}: {last.get('reason', '')}. "
+            "Nothing to do; its journal is final. Use another --run-dir or --name for a new run.",
             flush=True,
         )
         return done.exit_code if done.exit_code is not None else EXIT_FAILED
@@ -173,7 +175,8 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         what = "resuming" if events else "running"
         print(
-            f"spikeguard: {what} run {job.name} in {run_dir} ({job.workers} ranks, policy {job.policy})",
+            f"spikeguard: {what} run {job.name} in {run_dir} ({job.workers} ranks, "
+            f"policy {job.policy})",
             flush=True,
         )
         return ctl.run(resume_events=events or None)

@@ -13,8 +13,8 @@ from slack_sdk.errors import SlackApiError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakeslack import SPEC_PATH, TOKEN, FakeSlack, incident_events, load_spec
-from spikeguard.supervisor.charts import has_chart_data, render_incident_chart
-from spikeguard.supervisor.slack_blocks import (
+from spikeguard.supervisor.notify.charts import has_chart_data, render_incident_chart
+from spikeguard.supervisor.notify.slack.render import (
     IncidentView,
     Links,
     num,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakeslack import TOKEN, FakeSlack, incident_events
-from spikeguard.supervisor.slack import SlackNotifier, SlackSettings
+from spikeguard.supervisor.notify.slack import SlackNotifier, SlackSettings
 
 HANDLE_BUDGET_S = 0.05  # what one notification may cost a recovery step
 
@@ -37,7 +38,7 @@ def assert_whole_thread(fake: FakeSlack) -> None:
     (root,) = fake.roots()
     replies = fake.replies(root["ts"])
     assert len(replies) == 7 and replies[-1]["reply_broadcast"]
-    assert len(fake.files) == 1 and list(fake.files.values())[0]["thread_ts"] == root["ts"]
+    assert len(fake.files) == 1 and next(iter(fake.files.values()))["thread_ts"] == root["ts"]
     assert root["blocks"][0]["text"]["text"].startswith("[RESOLVED]")
 
 
@@ -150,7 +151,7 @@ def test_messages_are_paced_per_channel(fake):
         for c in fake.calls
         if c.method in ("chat.postMessage", "chat.update", "files.getUploadURLExternal")
     )
-    gaps = [b - a for a, b in zip(writes, writes[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(writes)]
     assert len(writes) >= 8 and min(gaps) >= 0.19, gaps
 
 

@@ -29,11 +29,12 @@ from typing import Any
 
 from slack_sdk.errors import SlackApiError, SlackRequestError
 
-from .charts import has_chart_data, render_incident_chart
-from .slack_blocks import (
+from ..charts import has_chart_data, render_incident_chart
+from .client import web_client, webhook_client
+from .render import (
     IncidentView,
     Links,
-    Message,
+    SlackMessage,
     alert_message,
     parse_time,
     root_message,
@@ -41,9 +42,7 @@ from .slack_blocks import (
     standalone_step_message,
     step_message,
 )
-from .slack_cmd import SlackSettings, web_client, webhook_client
-
-__all__ = ["SlackNotifier", "SlackSettings"]
+from .settings import SlackSettings
 
 log = logging.getLogger("spikeguard.slack")
 Journal = Callable[[dict], None]
@@ -93,7 +92,7 @@ class _Op:
     kind: str  # post | root | reply | update | chart
     what: str
     ref: _Incident | None = None
-    message: Message | None = None
+    message: SlackMessage | None = None
     broadcast: bool = False
     version: int = 0
     droppable: bool = False
@@ -206,7 +205,7 @@ class SlackNotifier:
             self._incidents[inc] = _Incident(IncidentView(run=self.run, incident=inc))
         return self._incidents[inc]
 
-    def _root(self, view: IncidentView) -> Message:
+    def _root(self, view: IncidentView) -> SlackMessage:
         return root_message(view, self._links, self.settings.mention)
 
     def _plan(self, ev: dict) -> list[_Op]:
@@ -362,7 +361,7 @@ class SlackNotifier:
             self._send(lambda: self._upload(th, png, view))
 
     def _ensure_thread(
-        self, ref: _Incident, message: Message | None = None, version: int = 0
+        self, ref: _Incident, message: SlackMessage | None = None, version: int = 0
     ) -> _Thread:
         """The incident's thread; posts its root first (``message`` or the current state)."""
         with self._cv:
@@ -425,7 +424,7 @@ class SlackNotifier:
             raise _Failure(f"network error: {type(e).__name__}: {e}", retry=True) from None
 
     def _post(
-        self, channel: str, msg: Message, thread_ts: str | None = None, broadcast: bool = False
+        self, channel: str, msg: SlackMessage, thread_ts: str | None = None, broadcast: bool = False
     ) -> tuple[str, str]:
         if self._hook is not None:
             r = self._call(
@@ -457,7 +456,7 @@ class SlackNotifier:
         )
         return str(r["channel"]), str(r["ts"])
 
-    def _update(self, th: _Thread, msg: Message) -> None:
+    def _update(self, th: _Thread, msg: SlackMessage) -> None:
         self._call(
             lambda: self._web.chat_update(  # type: ignore[union-attr]
                 channel=th.channel, ts=th.ts, text=msg.text, blocks=msg.blocks

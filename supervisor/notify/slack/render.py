@@ -2,9 +2,9 @@
 
 No I/O and no Slack client here: :class:`IncidentView` folds the journal events of one incident
 into what the thread's root message shows, and the ``*_message`` functions turn views and events
-into :class:`Message` objects. Every user-supplied string is escaped for mrkdwn and every text is
-clipped to Block Kit's limits (header 150 chars, section text 3000, field 2000), so a very long
-reason or run name degrades to an ellipsis instead of an ``invalid_blocks`` error at 3 a.m.
+into :class:`SlackMessage` objects. Every user-supplied string is escaped for mrkdwn and every
+text is clipped to Block Kit's limits (header 150 chars, section text 3000, field 2000), so a very
+long reason or run name degrades to an ellipsis instead of an ``invalid_blocks`` error at 3 a.m.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ EMOJI = {
 
 
 @dataclass(frozen=True)
-class Message:
+class SlackMessage:
     """One Slack message: ``text`` is the notification/accessibility fallback, always set."""
 
     text: str
@@ -106,7 +106,7 @@ def parse_time(value: Any) -> float | None:
 
 def duration_text(seconds: float) -> str:
     """``252`` -> ``4 min 12 s``."""
-    s = max(0, int(round(seconds)))
+    s = max(0, round(seconds))
     return (
         f"{s} s"
         if s < 60
@@ -358,7 +358,7 @@ class _Dash(dict):  # type: ignore[type-arg]
         return default if value is None else value
 
 
-def root_message(view: IncidentView, links: Links, mention: str | None) -> Message:
+def root_message(view: IncidentView, links: Links, mention: str | None) -> SlackMessage:
     """The thread's root: what broke, what spikeguard did so far, and whether a human is needed."""
     f = _Dash(view.fired)  # a missing field shows as "—" (e.g. the incident event was lost)
     where = f"rank {f.get('rank')}, layer {f.get('layer')}"
@@ -423,12 +423,12 @@ def root_message(view: IncidentView, links: Links, mention: str | None) -> Messa
         f"{root_header(view)}: {f.get('signal')}={num(f.get('value'))} on {where} at step "
         f"{num(f.get('step'))} — {tail}"
     )
-    return Message(clip(_ping(esc(fallback), mention, ping), TEXT_MAX), blocks)
+    return SlackMessage(clip(_ping(esc(fallback), mention, ping), TEXT_MAX), blocks)
 
 
 def step_message(
     event: Mapping[str, Any], view: IncidentView, links: Links, mention: str | None
-) -> Message:
+) -> SlackMessage:
     """A thread reply for one recovery step (or the broadcast conclusion)."""
     kind = str(event.get("kind"))
     emoji = EMOJI.get(kind, ":small_blue_diamond:")
@@ -452,7 +452,7 @@ def step_message(
         )
     elif why and kind not in ("alert", "probation_failed", "stopped", "rollback", "lr_cut"):
         blocks.append(_context(why))
-    return Message(
+    return SlackMessage(
         clip(_ping(esc(f"[{view.incident}] {summary_line(event)}"), mention, ping), TEXT_MAX),
         blocks,
     )
@@ -460,7 +460,7 @@ def step_message(
 
 def alert_message(
     event: Mapping[str, Any], run: str, links: Links, mention: str | None, repeats: int = 0
-) -> Message:
+) -> SlackMessage:
     """A standalone notification (``alert``), headed ``[WARN] rule · run``."""
     sev = str(event.get("severity") or "warn")
     blocks: list[dict[str, Any]] = [
@@ -490,22 +490,24 @@ def alert_message(
     if footer:
         blocks.append(_context(*footer))
     text = f"[{sev.upper()}] {run}: {summary_line(event)}"
-    return Message(clip(_ping(esc(text), mention, sev == "page"), TEXT_MAX), blocks)
+    return SlackMessage(clip(_ping(esc(text), mention, sev == "page"), TEXT_MAX), blocks)
 
 
-def run_message(event: Mapping[str, Any], run: str, links: Links, mention: str | None) -> Message:
+def run_message(
+    event: Mapping[str, Any], run: str, links: Links, mention: str | None
+) -> SlackMessage:
     """A run-level message outside any incident: ``completed``, ``stopped`` or ``failed``."""
     kind, failed = str(event.get("kind")), event.get("kind") == "failed"
     body = f"{EMOJI.get(kind, '')} {describe(event)}" + (". A human is needed." if failed else "")
     blocks = [_header(f"[{kind.upper()}] {run}"), _section(_ping(body, mention, failed))]
     blocks += [_context(links_text(links) or "")] if links_text(links) else []
     text = f"[{kind.upper()}] {run}: {summary_line(event)}"
-    return Message(clip(_ping(esc(text), mention, failed), TEXT_MAX), blocks)
+    return SlackMessage(clip(_ping(esc(text), mention, failed), TEXT_MAX), blocks)
 
 
 def standalone_step_message(
     event: Mapping[str, Any], view: IncidentView, links: Links, mention: str | None
-) -> Message:
+) -> SlackMessage:
     """Webhook mode (no threads): a step as a message naming its incident; a conclusion is
     the root message in its final state, so the last message in the channel tells it all."""
     if event.get("kind") in CONCLUSIONS or (view.concluded and event.get("kind") == "failed"):
@@ -514,4 +516,4 @@ def standalone_step_message(
     prefix = _context(
         f"{EMOJI['incident']} *{esc(root_header(view))}* · incident `{esc(view.incident)}`"
     )
-    return Message(reply.text, [prefix, *reply.blocks])
+    return SlackMessage(reply.text, [prefix, *reply.blocks])
