@@ -71,7 +71,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _events(args: argparse.Namespace) -> int:
     from .journal import read_events
-    from .notify.console import describe
+    from .notify.describe import describe
 
     if not (Path(args.run_dir) / "journal.jsonl").exists():
         print(f"spikeguard: no journal in {args.run_dir}", file=sys.stderr)

@@ -8,8 +8,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .events import STORY_KINDS
 from .journal import read_events
-from .notify.console import describe
+from .notify.describe import describe
 
 
 def run_demo(
@@ -65,12 +66,7 @@ def story(run_dir: Path) -> None:
     events = read_events(run_dir)
     print("\n=== what happened (spikeguard events " + str(run_dir) + ") ===")
     for ev in events:
-        if ev["kind"] in (
-            "notify_thread",
-            "notify_undelivered",
-            "supervisor_start",
-            "probation_progress",
-        ):
+        if ev.get("kind") not in STORY_KINDS:
             continue
         print(f"  {ev['kind']:<17} {describe(ev)}")
     try:

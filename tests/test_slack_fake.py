@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -14,14 +13,7 @@ from slack_sdk.errors import SlackApiError
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakeslack import SPEC_PATH, TOKEN, FakeSlack, incident_events, load_spec
 from spikeguard.supervisor.notify.charts import has_chart_data, render_incident_chart
-from spikeguard.supervisor.notify.slack.render import (
-    IncidentView,
-    Links,
-    num,
-    ranks_text,
-    root_message,
-    summary_line,
-)
+from spikeguard.supervisor.notify.slack.render import IncidentView, Links, root_message
 
 
 @pytest.fixture
@@ -181,22 +173,6 @@ def test_chart_is_a_small_png_and_tolerates_gaps():
     assert not has_chart_data(None)
     with pytest.raises(ValueError):
         render_incident_chart({"steps": []})
-
-
-def test_text_helpers():
-    assert ranks_text([0, 1, 2, 3, 5, 7, 8]) == "0–3, 5, 7–8"
-    assert ranks_text(None) == "—"
-    assert (num(12345), num(0.000123456), num(math.nan), num(None), num("inf")) == (
-        "12,345",
-        "0.0001235",
-        "nan",
-        "—",
-        "inf",
-    )
-    assert (
-        summary_line({"kind": "lr_cut", "factor": 0.5, "lr_scale": 0.25})
-        == "LR cut ×0.5: LR scale now 0.25"
-    )
 
 
 def test_root_message_in_every_state():

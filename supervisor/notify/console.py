@@ -1,4 +1,9 @@
-"""Console output: one line per journal event, and a live per-rank view."""
+"""Console output: the story as it is journaled, and a live per-rank view.
+
+:class:`ConsoleNotifier` prints one line per story event (:data:`~..events.STORY_KINDS`) with
+:func:`.describe.describe`; :class:`LiveView` and ``spikeguard status`` print
+:func:`render_status` of the status dict (``status.json``, :func:`..rundir.status_dict`).
+"""
 
 from __future__ import annotations
 
@@ -6,42 +11,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-_STORY = {
-    "launch": "launched generation {generation} (LR scale {lr_scale:g})",
-    "incident": "INCIDENT {incident} at step {step}: {rule} — {reason}",
-    "kill": "killed ranks {ranks} in {duration_s:.2f}s",
-    "rollback": "rolled back to step {checkpoint_step} (S{grade}) — {reason}",
-    "lr_cut": "LR x{factor:g} → scale {lr_scale:.4g}",
-    "optimizer_reset": "optimizer state reset",
-    "probation_start": "probation: steps {from_step}..{until_step} must stay healthy",
-    "probation_passed": "probation passed — {reason}",
-    "probation_failed": "probation FAILED at step {step} — {reason}",
-    "escalated": "ESCALATED — {reason}",
-    "completed": "completed (final loss {final_loss})",
-    "failed": "FAILED — {reason}",
-    "stopped": "stopped — {reason}",
-    "alert": "[{severity}] {rule} rank {rank} {layer} step {step}: {reason}",
-    "launch_failed": "launch of generation {generation} FAILED — {reason}",
-    "resume": "supervisor restarted — {reason}",
-    "reaped": "killed leftover rank processes — {reason}",
-    "supervisor_start": "supervisor started — {reason}",
-}
-
-
-def describe(ev: dict[str, Any]) -> str:
-    """A one-line human description of a journal event."""
-    fmt = _STORY.get(ev["kind"])
-    if fmt is None:
-        return f"{ev['kind']}: {ev.get('reason', '')}"
-    try:
-        return fmt.format_map(_Default(ev))
-    except (ValueError, TypeError):
-        return f"{ev['kind']}: {ev.get('reason', '')}"
-
-
-class _Default(dict):  # type: ignore[type-arg]
-    def __missing__(self, key: str) -> str:
-        return "?"
+from ..events import STORY_KINDS
+from .describe import describe
 
 
 class ConsoleNotifier:
@@ -51,7 +22,8 @@ class ConsoleNotifier:
         self.out = out or sys.stdout
 
     def handle(self, ev: dict[str, Any]) -> None:
-        if ev["kind"] in _STORY:
+        """Print ``ev`` if a person following the run wants to read it."""
+        if ev.get("kind") in STORY_KINDS:
             print(f"[spikeguard {ev['mono']:8.1f}s] {describe(ev)}", file=self.out, flush=True)
 
 

@@ -9,15 +9,16 @@ long reason or run name degrades to an ellipsis instead of an ``invalid_blocks``
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from spikeguard.workers.contract.signals import grade_text, is_grade
+
+from ..describe import describe, esc, num, ranks_text
+
 HEADER_MAX, SECTION_MAX, FIELD_MAX, CONTEXT_MAX, TEXT_MAX = 150, 3000, 2000, 2000, 3900
-STATES = ("RECOVERING", "PROBATION", "RESOLVED", "ESCALATED")
 CONCLUSIONS = ("probation_passed", "escalated")
 EMOJI = {
     "incident": ":rotating_light:",
@@ -55,45 +56,9 @@ class Links:
     runbook_url: str | None = None
 
 
-def esc(value: Any) -> str:
-    """Escape a value for Slack mrkdwn (``&``, ``<``, ``>`` only, as Slack documents)."""
-    return str(value).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
 def clip(text: str, limit: int) -> str:
     """Clip ``text`` to ``limit`` characters, ending with an ellipsis when shortened."""
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def num(value: Any, digits: int = 4) -> str:
-    """``12,345`` for ints, ``digits`` significant digits for finite floats, ``—`` for None."""
-    if value is None:
-        return "—"
-    if isinstance(value, float) and math.isfinite(value):
-        return f"{value:.{digits}g}"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return f"{value:,}"
-    return str(value)
-
-
-def grade_text(grade: Any) -> str:
-    """Grades are written ``S0``..``S7`` across spikeguard (console, status, Slack)."""
-    return f"S{grade}" if isinstance(grade, int) and not isinstance(grade, bool) else "S?"
-
-
-def ranks_text(ranks: Any) -> str:
-    """``[0, 1, 2, 3, 5]`` -> ``0–3, 5``."""
-    try:
-        values = sorted({int(r) for r in ranks})
-    except (TypeError, ValueError):
-        return "—" if ranks is None else str(ranks)
-    runs: list[list[int]] = []
-    for r in values:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b in runs) or "—"
 
 
 def parse_time(value: Any) -> float | None:
@@ -114,90 +79,6 @@ def duration_text(seconds: float) -> str:
         if s < 3600
         else f"{s // 3600} h {s % 3600 // 60} min"
     )
-
-
-def describe(e: Mapping[str, Any]) -> str:
-    """One mrkdwn line for any journal event (thread replies; :func:`summary_line` for plain)."""
-    kind, why = e.get("kind", "?"), esc(e.get("reason") or "")
-    step = num(e.get("step"))
-    if kind == "launch":
-        ranks = f" with {esc(e.get('world_size'))} ranks" if e.get("world_size") else ""
-        return (
-            f"*Launched* generation {esc(e.get('generation'))}{ranks}, LR scale "
-            f"{num(e.get('lr_scale'))}"
-        )
-    if kind == "incident":
-        again = f" (attempt {e['attempt']})" if (e.get("attempt") or 1) > 1 else ""
-        return (
-            f"*{esc(e.get('rule'))} fired{again}:* `{esc(e.get('signal'))}` = "
-            f"{esc(num(e.get('value')))} on rank {esc(e.get('rank'))}, layer "
-            f"{esc(e.get('layer'))} at step {step} → {esc(e.get('action'))}"
-        )
-    if kind == "alert":
-        return (
-            f"*{esc(str(e.get('severity') or 'warn').upper())} {esc(e.get('rule'))}:* "
-            f"`{esc(e.get('signal'))}` = {esc(num(e.get('value')))} on rank {esc(e.get('rank'))}"
-            f" at step {step}: {why}"
-        )
-    if kind == "kill":
-        return f"*Killed* ranks {ranks_text(e.get('ranks'))} in {num(e.get('duration_s'), 2)} s"
-    if kind == "rollback":
-        skipped = [
-            f"`{esc(s.get('path'))}` ({esc(s.get('reason'))})"
-            for s in (e.get("skipped") or [])
-            if isinstance(s, Mapping)
-        ]
-        tail = f"; skipped: {'; '.join(skipped[:5])}" if skipped else ""
-        tail += f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
-        for a, b in (e.get("skip_ranges") or [])[:3]:
-            tail += f"; data of steps {num(a)}–{num(b)} will be skipped"
-        if e.get("checkpoint_step") is None:
-            return f"*No checkpoint to roll back to*: {why}{tail}"
-        path = f" `{esc(e.get('checkpoint_path'))}`" if e.get("checkpoint_path") else ""
-        return (
-            f"*Rolled back* to step {num(e.get('checkpoint_step'))}{path} "
-            f"(checkpoint {grade_text(e.get('grade'))}){tail}"
-        )
-    if kind == "lr_cut":
-        return f"*LR cut* ×{num(e.get('factor'))}: LR scale now {num(e.get('lr_scale'))}"
-    if kind == "optimizer_reset":
-        return "*Optimizer reset*: optimizer state cleared, weights kept"
-    if kind in ("probation_start", "probation_progress"):
-        at = (
-            f"from step {num(e.get('from_step'))}"
-            if kind == "probation_start"
-            else f"at step {step}"
-        )
-        return f"*Probation* {at} until step {num(e.get('until_step'))}"
-    if kind == "probation_passed":
-        return (
-            f"*RESOLVED*: probation passed at step {step}"
-            if e.get("step") is not None
-            else f"*RESOLVED*: {why}"
-        )
-    if kind == "probation_failed":
-        return f"*Probation failed* at step {step}: {why}"
-    if kind in ("escalated", "stopped", "completed", "failed", "notify_undelivered"):
-        return {
-            "escalated": f"*ESCALATED*: {why}",
-            "stopped": f"*Run stopped*: {why}",
-            "completed": f"*Run completed*, final loss {num(e.get('final_loss'))}",
-            "failed": f"*Run FAILED* (exit code {esc(e.get('exit_code'))}): {why}",
-            "notify_undelivered": f"*Slack message undelivered* ({esc(e.get('what'))}): "
-            f"{esc(e.get('error'))}",
-        }[kind]
-    return f"*{esc(kind)}* {why}".rstrip()
-
-
-def plain(mrkdwn: str) -> str:
-    """mrkdwn -> plain text: drop ``*`` and backticks, ``<url|label>`` -> label, unescape."""
-    out = re.sub(r"<([^|<>]*)\|([^<>]*)>", r"\2", mrkdwn).replace("*", "").replace("`", "")
-    return out.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
-
-
-def summary_line(event: Mapping[str, Any]) -> str:
-    """One plain line describing any journal event (Slack ``text`` fallbacks, logs)."""
-    return plain(describe(event))
 
 
 @dataclass
@@ -265,7 +146,7 @@ class IncidentView:
             self.state = "RECOVERING"
         elif kind == "probation_passed":
             self.state, self.ended = "RESOLVED", t
-            self.outcome = plain(describe(e)).removeprefix("RESOLVED: ")
+            self.outcome = describe(e).removeprefix("RESOLVED: ")
         elif kind in ("escalated", "failed"):
             self.state, self.ended = "ESCALATED", t
             self.outcome = str(e.get("reason") or "escalated")
@@ -348,7 +229,7 @@ def _ping(text: str, mention: str | None, wanted: bool) -> str:
 def root_header(view: IncidentView) -> str:
     """``[RECOVERING] S2 · run-name`` (the incident id when the grade is unknown)."""
     grade = view.fired.get("grade")
-    tag = grade_text(grade) if isinstance(grade, int) else view.incident
+    tag = grade_text(grade) if is_grade(grade) else view.incident
     return f"[{view.state}] {tag} · {view.run}"
 
 
@@ -433,15 +314,15 @@ def step_message(
     kind = str(event.get("kind"))
     emoji = EMOJI.get(kind, ":small_blue_diamond:")
     ping = kind in ("escalated", "failed") or (kind == "alert" and event.get("severity") == "page")
-    why = esc(event.get("reason") or "")
+    why, line = esc(event.get("reason") or ""), describe(event, "mrkdwn")
     if kind == "probation_passed":
         took = f" in {view.took()}" if view.took() else ""
-        body = f"{emoji} {describe(event)}. Recovered{took}; training continues, no action needed."
+        body = f"{emoji} {line}. Recovered{took}; training continues, no action needed."
     elif kind in ("escalated", "failed"):
         body = f"{emoji} *ESCALATED*: {why}. Automatic recovery has stopped; a human is needed."
         body += f" {_link(links.runbook_url, 'Runbook')}" if links.runbook_url else ""
     else:
-        body = f"{emoji} {describe(event)}"
+        body = f"{emoji} {line}"
     blocks = [_section(_ping(body, mention, ping))]
     if kind in CONCLUSIONS or kind == "failed":
         blocks.append(
@@ -450,10 +331,10 @@ def step_message(
                 + (" → ".join(esc(d) for d in view.done) or "no steps recorded")
             )
         )
-    elif why and kind not in ("alert", "probation_failed", "stopped", "rollback", "lr_cut"):
-        blocks.append(_context(why))
+    elif why and why not in line and kind not in ("rollback", "lr_cut"):
+        blocks.append(_context(why))  # unless the line says it, or the reason restates the line
     return SlackMessage(
-        clip(_ping(esc(f"[{view.incident}] {summary_line(event)}"), mention, ping), TEXT_MAX),
+        clip(_ping(esc(f"[{view.incident}] {describe(event)}"), mention, ping), TEXT_MAX),
         blocks,
     )
 
@@ -467,7 +348,7 @@ def alert_message(
         _header(f"[{sev.upper()}] {event.get('rule')} · {run}"),
         _section(
             _ping(
-                f"{EMOJI['alert']} {esc(event.get('reason') or summary_line(event))}",
+                f"{EMOJI['alert']} {esc(event.get('reason') or describe(event))}",
                 mention,
                 sev == "page",
             )
@@ -489,7 +370,7 @@ def alert_message(
     )
     if footer:
         blocks.append(_context(*footer))
-    text = f"[{sev.upper()}] {run}: {summary_line(event)}"
+    text = f"[{sev.upper()}] {run}: {describe(event)}"
     return SlackMessage(clip(_ping(esc(text), mention, sev == "page"), TEXT_MAX), blocks)
 
 
@@ -498,10 +379,11 @@ def run_message(
 ) -> SlackMessage:
     """A run-level message outside any incident: ``completed``, ``stopped`` or ``failed``."""
     kind, failed = str(event.get("kind")), event.get("kind") == "failed"
-    body = f"{EMOJI.get(kind, '')} {describe(event)}" + (". A human is needed." if failed else "")
+    body = f"{EMOJI.get(kind, '')} {describe(event, 'mrkdwn')}"
+    body += ". A human is needed." if failed else ""
     blocks = [_header(f"[{kind.upper()}] {run}"), _section(_ping(body, mention, failed))]
     blocks += [_context(links_text(links) or "")] if links_text(links) else []
-    text = f"[{kind.upper()}] {run}: {summary_line(event)}"
+    text = f"[{kind.upper()}] {run}: {describe(event)}"
     return SlackMessage(clip(_ping(esc(text), mention, failed), TEXT_MAX), blocks)
 
 
