@@ -12,6 +12,7 @@ from slack_sdk.errors import SlackApiError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakeslack import SPEC_PATH, TOKEN, FakeSlack, incident_events, load_spec
+from spikeguard.supervisor.events import INCIDENT_STATE, IncidentState, Kind
 from spikeguard.supervisor.notify.charts import has_chart_data, render_incident_chart
 from spikeguard.supervisor.notify.slack.render import IncidentView, Links, root_message
 
@@ -187,3 +188,14 @@ def test_root_message_in_every_state():
     assert headers[0] == "[RECOVERING] S2 · gpt-1b" and headers[6] == "[PROBATION] S2 · gpt-1b"
     assert headers[-1] == "[ESCALATED] S2 · gpt-1b"
     assert pings[0] and not pings[6] and pings[-1]  # page while recovering and when escalated
+
+
+def test_the_incident_state_follows_the_journals_table():
+    for kind in Kind:
+        view = IncidentView(run="gpt-1b", incident="inc-001")
+        view.apply({"kind": "probation_start", "until_step": 1400})
+        changed = view.apply({"kind": kind.value, "reason": "r"})
+        expected = INCIDENT_STATE.get(kind, IncidentState.PROBATION)
+        assert view.state is expected and changed == (expected is not IncidentState.PROBATION)
+    assert not view.apply({"kind": ["not", "a", "kind"]})  # a malformed event changes nothing
+    assert view.state is IncidentState.PROBATION and not view.concluded

@@ -9,17 +9,17 @@ long reason or run name degrades to an ellipsis instead of an ``invalid_blocks``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from spikeguard.workers.contract.signals import grade_text, is_grade
 
+from ...events import INCIDENT_STATE, IncidentState, Kind
 from ..describe import describe, esc, num, ranks_text
 
 HEADER_MAX, SECTION_MAX, FIELD_MAX, CONTEXT_MAX, TEXT_MAX = 150, 3000, 2000, 2000, 3900
-CONCLUSIONS = ("probation_passed", "escalated")
 EMOJI = {
     "incident": ":rotating_light:",
     "alert": ":warning:",
@@ -81,13 +81,69 @@ def duration_text(seconds: float) -> str:
     )
 
 
+FIRED_FIELDS = (
+    "rule",
+    "action",
+    "severity",
+    "signal",
+    "value",
+    "rank",
+    "layer",
+    "step",
+    "loss",
+    "grad_norm",
+    "grade",
+    "reason",
+)
+"""What the root message shows of the event that opened the incident."""
+CONCLUDED = frozenset({IncidentState.RESOLVED, IncidentState.ESCALATED})
+"""The states that end an incident (its thread's conclusion is broadcast)."""
+
+
+def _rolled_back(e: Mapping[str, Any]) -> str | None:
+    if e.get("checkpoint_step") is None:
+        return None  # no checkpoint: the escalation that follows says why
+    return f"rolled back to step {num(e.get('checkpoint_step'))} ({grade_text(e.get('grade'))})"
+
+
+DONE: dict[Kind, Callable[[Mapping[str, Any]], str | None]] = {
+    Kind.INCIDENT: lambda e: f"fired again at step {num(e.get('step'))}",
+    Kind.KILL: lambda e: f"killed ranks {ranks_text(e.get('ranks'))}",
+    Kind.ROLLBACK: _rolled_back,
+    Kind.LR_CUT: lambda e: f"LR ×{num(e.get('factor'))} (scale {num(e.get('lr_scale'))})",
+    Kind.OPTIMIZER_RESET: lambda e: "optimizer reset",
+    Kind.LAUNCH: lambda e: f"relaunched gen {e.get('generation')}",
+    Kind.PROBATION_START: lambda e: f"probation until step {num(e.get('until_step'))}",
+    Kind.PROBATION_FAILED: lambda e: f"probation failed at step {num(e.get('step'))}",
+}
+"""How a recovery step reads in the root message's "Done so far" (a short form of its line)."""
+
+
+def leads_to(kind: Any) -> IncidentState | None:
+    """The incident state an event of ``kind`` leads to (:data:`~...events.INCIDENT_STATE`);
+    None when it leaves the state as it is, or is no kind at all."""
+    try:
+        return INCIDENT_STATE.get(Kind(kind))
+    except ValueError:
+        return None
+
+
+def concludes(kind: Any) -> bool:
+    """True when an event of this kind ends an incident (RESOLVED or ESCALATED)."""
+    return leads_to(kind) in CONCLUDED
+
+
 @dataclass
 class IncidentView:
-    """What the root message of one incident thread shows, folded from its journal events."""
+    """What the root message of one incident thread shows, folded from its journal events.
+
+    The incident's state follows :data:`~...events.INCIDENT_STATE`, the journal's own table of
+    where each kind of event leaves an incident; this view only renders the steps.
+    """
 
     run: str
     incident: str
-    state: str = "RECOVERING"
+    state: IncidentState = IncidentState.RECOVERING
     fired: dict[str, Any] = field(default_factory=dict)
     done: list[str] = field(default_factory=list)
     started: float | None = None
@@ -99,66 +155,38 @@ class IncidentView:
 
     def apply(self, event: Mapping[str, Any]) -> bool:
         """Fold one event in; True when the root message must be updated (its state changed)."""
-        e, kind, before = event, event.get("kind"), self.state
-        t = parse_time(e.get("time"))
-        if kind == "incident":
-            if not self.fired:
-                self.fired = {
-                    k: e.get(k)
-                    for k in (
-                        "rule",
-                        "action",
-                        "severity",
-                        "signal",
-                        "value",
-                        "rank",
-                        "layer",
-                        "step",
-                        "loss",
-                        "grad_norm",
-                        "grade",
-                        "reason",
-                    )
-                }
-                self.started, self.context = t, e.get("context") or None
-            else:
-                self.done.append(f"fired again at step {num(e.get('step'))}")
-            self.state = "RECOVERING"
-        elif kind == "kill":
-            self.done.append(f"killed ranks {ranks_text(e.get('ranks'))}")
-        elif kind == "rollback" and e.get("checkpoint_step") is not None:
-            self.done.append(
-                f"rolled back to step {num(e.get('checkpoint_step'))} "
-                f"({grade_text(e.get('grade'))})"
-            )
-        elif kind == "lr_cut":
-            self.done.append(f"LR ×{num(e.get('factor'))} (scale {num(e.get('lr_scale'))})")
-        elif kind == "optimizer_reset":
-            self.done.append("optimizer reset")
-        elif kind == "launch":
-            self.done.append(f"relaunched gen {e.get('generation')}")
-        elif kind == "probation_start":
-            self.probation_until = e.get("until_step")
-            self.done.append(f"probation until step {num(self.probation_until)}")
-            self.state = "PROBATION"
-        elif kind == "probation_failed":
-            self.done.append(f"probation failed at step {num(e.get('step'))}")
-            self.state = "RECOVERING"
-        elif kind == "probation_passed":
-            self.state, self.ended = "RESOLVED", t
-            self.outcome = describe(e).removeprefix("RESOLVED: ")
-        elif kind in ("escalated", "failed"):
-            self.state, self.ended = "ESCALATED", t
-            self.outcome = str(e.get("reason") or "escalated")
-        if self.state == before:
+        kind = event.get("kind")
+        if kind == Kind.INCIDENT and not self.fired:
+            self.fired = {k: event.get(k) for k in FIRED_FIELDS}
+            self.started, self.context = parse_time(event.get("time")), event.get("context") or None
+        elif isinstance(kind, str) and kind in DONE:
+            step = DONE[Kind(kind)](event)
+            if step:
+                self.done.append(step)
+        if kind == Kind.PROBATION_START:
+            self.probation_until = event.get("until_step")
+        return self._move(leads_to(kind), event)
+
+    def _move(self, state: IncidentState | None, event: Mapping[str, Any]) -> bool:
+        """Take the state ``event`` leads to; a conclusion records when and how it ended."""
+        if state is None:
             return False
+        if state is IncidentState.RESOLVED:
+            self.outcome = describe(event).removeprefix("RESOLVED: ")
+        elif state is IncidentState.ESCALATED:
+            self.outcome = str(event.get("reason") or "escalated")
+        if state in CONCLUDED:
+            self.ended = parse_time(event.get("time"))
+        if state is self.state:
+            return False
+        self.state = state
         self.version += 1
         return True
 
     @property
     def concluded(self) -> bool:
         """True once the incident reached RESOLVED or ESCALATED."""
-        return self.state in ("RESOLVED", "ESCALATED")
+        return self.state in CONCLUDED
 
     @property
     def severity(self) -> str:
@@ -230,7 +258,7 @@ def root_header(view: IncidentView) -> str:
     """``[RECOVERING] S2 · run-name`` (the incident id when the grade is unknown)."""
     grade = view.fired.get("grade")
     tag = grade_text(grade) if is_grade(grade) else view.incident
-    return f"[{view.state}] {tag} · {view.run}"
+    return f"[{view.state.value}] {tag} · {view.run}"
 
 
 class _Dash(dict):  # type: ignore[type-arg]
@@ -249,25 +277,25 @@ def root_message(view: IncidentView, links: Links, mention: str | None) -> Slack
     )
     took = f" in {view.took()}" if view.took() else ""
     status, ping, tail = {
-        "RECOVERING": (
+        IncidentState.RECOVERING: (
             f"{EMOJI['incident']} {what}. spikeguard is recovering automatically; "
             "no action needed yet.",
             view.severity == "page",
             "spikeguard is recovering, no action needed yet",
         ),
-        "PROBATION": (
+        IncidentState.PROBATION: (
             f"{EMOJI['probation_start']} Recovery steps done; on probation until step "
             f"{num(view.probation_until)}. No action needed yet.",
             False,
             f"on probation until step {num(view.probation_until)}",
         ),
-        "RESOLVED": (
+        IncidentState.RESOLVED: (
             f"{EMOJI['probation_passed']} *Resolved by spikeguard*{took}: "
             f"{esc(view.outcome)}. No action needed.",
             False,
             f"resolved: {view.outcome}",
         ),
-        "ESCALATED": (
+        IncidentState.ESCALATED: (
             f"{EMOJI['escalated']} *Human needed:* {esc(view.outcome)}. Automatic "
             "recovery has stopped.",
             True,
@@ -313,18 +341,20 @@ def step_message(
     """A thread reply for one recovery step (or the broadcast conclusion)."""
     kind = str(event.get("kind"))
     emoji = EMOJI.get(kind, ":small_blue_diamond:")
-    ping = kind in ("escalated", "failed") or (kind == "alert" and event.get("severity") == "page")
+    state = leads_to(kind)
+    escalated = state is IncidentState.ESCALATED
+    ping = escalated or (kind == Kind.ALERT and event.get("severity") == "page")
     why, line = esc(event.get("reason") or ""), describe(event, "mrkdwn")
-    if kind == "probation_passed":
+    if state is IncidentState.RESOLVED:
         took = f" in {view.took()}" if view.took() else ""
         body = f"{emoji} {line}. Recovered{took}; training continues, no action needed."
-    elif kind in ("escalated", "failed"):
+    elif escalated:
         body = f"{emoji} *ESCALATED*: {why}. Automatic recovery has stopped; a human is needed."
         body += f" {_link(links.runbook_url, 'Runbook')}" if links.runbook_url else ""
     else:
         body = f"{emoji} {line}"
     blocks = [_section(_ping(body, mention, ping))]
-    if kind in CONCLUSIONS or kind == "failed":
+    if concludes(kind):
         blocks.append(
             _context(
                 f"{esc(root_header(view))}: "
@@ -392,7 +422,7 @@ def standalone_step_message(
 ) -> SlackMessage:
     """Webhook mode (no threads): a step as a message naming its incident; a conclusion is
     the root message in its final state, so the last message in the channel tells it all."""
-    if event.get("kind") in CONCLUSIONS or (view.concluded and event.get("kind") == "failed"):
+    if concludes(event.get("kind")):
         return root_message(view, links, mention)
     reply = step_message(event, view, links, mention)
     prefix = _context(
