@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import io
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
 from fakeslack import incident_events
-from spikeguard.supervisor.events import STORY_KINDS, Kind
-from spikeguard.supervisor.notify.console import ConsoleNotifier
+from spikeguard.supervisor.events import Kind
 from spikeguard.supervisor.notify.describe import TEMPLATES, describe, num, ranks_text
 
 DATA = Path(__file__).parent / "data"
@@ -128,16 +125,3 @@ def test_a_malformed_event_never_raises(kind):
             assert isinstance(describe(event, markup), str)
         assert isinstance(describe({"kind": kind}), str)
     assert describe("not an event") == "—"  # type: ignore[arg-type]
-
-
-def test_console_prints_the_story_kinds_only():
-    out = io.StringIO()
-    console = ConsoleNotifier(out)
-    for ev in journal("demo_run"):
-        console.handle(ev)
-    for kind in ("notify_thread", "probation_progress", "supervisor_start"):
-        console.handle({"kind": kind, "mono": 1.0, "reason": "bookkeeping"})
-    lines = out.getvalue().splitlines()
-    assert len(lines) == len([e for e in journal("demo_run") if e["kind"] in STORY_KINDS]) == 18
-    assert re.fullmatch(r"\[spikeguard +30\.2s\] entropy-collapse fired at step 775 → .*", lines[1])
-    assert "bookkeeping" not in out.getvalue()

@@ -11,6 +11,9 @@ import sys
 import time
 from typing import Any, TextIO
 
+from spikeguard.workers.contract.signals import grade_text
+
+from .. import rundir
 from ..events import STORY_KINDS
 from .describe import describe
 
@@ -36,30 +39,12 @@ class LiveView:
         self._last = 0.0
 
     def __call__(self, ctl: Any) -> None:
+        """Print the controller's status (what ``status.json`` holds), at most every ``every_s``."""
         now = time.monotonic()
         if now - self._last < self.every_s:
             return
         self._last = now
-        print(render_status(_status_of(ctl)), file=self.out, flush=True)
-
-
-def _status_of(ctl: Any) -> dict[str, Any]:
-    st, c = ctl.state, ctl.collector
-    return {
-        "phase": st.phase.value,
-        "generation": st.generation,
-        "lr_scale": st.lr_scale,
-        "probation_until": st.probation_until,
-        "ranks": {
-            r: {
-                "step": v.step,
-                "loss": v.loss,
-                "grade": v.summary.get("grade"),
-                "attn_entropy_min": v.summary.get("attn_entropy_min"),
-            }
-            for r, v in c.ranks.items()
-        },
-    }
+        print(render_status(rundir.status_dict(ctl)), file=self.out, flush=True)
 
 
 def render_status(s: dict[str, Any]) -> str:
@@ -69,10 +54,7 @@ def render_status(s: dict[str, Any]) -> str:
         head += f"  probation until step {s['probation_until']}"
     parts = []
     for r, v in sorted(s.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
-        g = v.get("grade")
-        grade = f"S{g}" if isinstance(g, int) else "S?"
-        ent = v.get("attn_entropy_min")
-        loss = v.get("loss")
+        grade, ent, loss = grade_text(v.get("grade")), v.get("attn_entropy_min"), v.get("loss")
         parts.append(f"r{r}: step {v.get('step')} {grade} H_min {_f(ent)} loss {_f(loss)}")
     return head + ("  |  " + "  |  ".join(parts) if parts else "")
 
