@@ -137,6 +137,19 @@ def test_bad_mention(monkeypatch, capsys):
     assert code == 2 and "would notify nobody" in err
 
 
+@pytest.mark.parametrize(
+    "scheme, quoted",
+    [("", "unknown url type: '[redacted]'"), ("ftp://", "Invalid URL detected: [redacted]")],
+)
+def test_an_unusable_webhook_url_is_explained_without_echoing_it(
+    monkeypatch, capsys, caplog, scheme, quoted
+):
+    hook = f"{scheme}hooks.example.com/services/T000/B000/s3cr3tP4th"  # urllib, slack-sdk quote it
+    code, out, err = run_cli(monkeypatch, capsys, None, token=None, webhook=hook)
+    assert code == 2 and "SPIKEGUARD_SLACK_WEBHOOK_URL is not a usable URL" in err
+    assert quoted in err and "s3cr3tP4th" not in out + err + caplog.text
+
+
 def test_webhook_mode(fake, monkeypatch, capsys):
     code, out, err = run_cli(monkeypatch, capsys, None, token=None, webhook=fake.webhook_url)
     assert code == 0, err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -169,3 +170,21 @@ def test_a_broken_journal_or_event_never_raises_into_the_caller(fake):
     assert n.flush(30)
     n.close(5)
     assert len(fake.roots()) == 2  # inc-009 (created from its first step) and inc-001
+
+
+@pytest.mark.parametrize(
+    "scheme, quoted",
+    [("", "unknown url type: '[redacted]'"), ("ftp://", "Invalid URL detected: [redacted]")],
+)
+def test_an_unusable_webhook_url_is_never_journaled_or_logged(caplog, scheme, quoted):
+    hook = f"{scheme}hooks.example.com/services/T000/B000/s3cr3tP4th"  # urllib, slack-sdk quote it
+    env = {"SPIKEGUARD_SLACK_WEBHOOK_URL": hook}
+    s = SlackSettings.from_env(environ=env, min_interval_s=0.0, max_retries=1, backoff_s=0.01)
+    journal: list[dict] = []
+    n = SlackNotifier(s, run="gpt-1b", journal=journal.append)
+    n.handle(incident_events()[0])
+    assert n.flush(30)
+    n.close(5)
+    (lost,) = [e for e in journal if e["kind"] == "notify_undelivered"]
+    assert quoted in lost["error"]
+    assert "s3cr3tP4th" not in json.dumps(journal) and "s3cr3tP4th" not in caplog.text

@@ -1,11 +1,13 @@
 """The slack-sdk clients the notifier and ``spikeguard slack test`` share.
 
 Both honour 429 ``Retry-After`` through :class:`RateLimitHandler` (slack-sdk's opt-in handler,
-made interruptible so a shutdown does not wait out a long ``Retry-After``).
+made interruptible so a shutdown does not wait out a long ``Retry-After``), and log through
+:data:`SDK_LOG`, which blanks secrets out: slack-sdk logs the URL it refuses, webhook included.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections.abc import Mapping
@@ -14,8 +16,36 @@ from typing import Any
 from slack_sdk import WebClient
 from slack_sdk.http_retry import ConnectionErrorRetryHandler, RateLimitErrorRetryHandler
 from slack_sdk.webhook import WebhookClient
+from spikeguard.workers.contract.secrets import redact
 
 from .settings import SlackSettings
+
+
+class RedactingFilter(logging.Filter):
+    """Blanks the ``known`` secrets, and anything shaped like a credential, out of log records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.known: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Rewrite the record's message (and traceback) with the secrets redacted."""
+        record.msg, record.args = redact(record.getMessage(), self.known), ()
+        if record.exc_info:
+            trace = logging.Formatter().formatException(record.exc_info)
+            record.exc_info, record.exc_text = None, redact(trace, self.known)
+        return True
+
+
+_REDACT = RedactingFilter()
+SDK_LOG = logging.getLogger("spikeguard.slack.sdk")
+"""The logger the slack-sdk clients are given; its records never carry a secret."""
+SDK_LOG.addFilter(_REDACT)
+
+
+def _sdk_log(s: SlackSettings) -> logging.Logger:
+    _REDACT.known.update(v for v in (s.token, s.webhook_url) if v)
+    return SDK_LOG
 
 
 class RateLimitHandler(RateLimitErrorRetryHandler):
@@ -53,6 +83,7 @@ def web_client(s: SlackSettings, abort: threading.Event | None = None) -> WebCli
         token=s.token,
         base_url=s.api_url,
         timeout=max(1, int(s.timeout_s)),
+        logger=_sdk_log(s),
         retry_handlers=[
             ConnectionErrorRetryHandler(max_retry_count=1),
             RateLimitHandler(abort, s.max_retries),
@@ -65,5 +96,6 @@ def webhook_client(s: SlackSettings, abort: threading.Event | None = None) -> We
     return WebhookClient(
         s.webhook_url or "",
         timeout=max(1, int(s.timeout_s)),
+        logger=_sdk_log(s),
         retry_handlers=[RateLimitHandler(abort, s.max_retries)],
     )

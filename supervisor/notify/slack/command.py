@@ -12,7 +12,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-from slack_sdk.errors import SlackApiError
+from slack_sdk.errors import SlackApiError, SlackRequestError
+from spikeguard.workers.contract.secrets import redact
 
 from .client import web_client, webhook_client
 from .settings import SlackSettings
@@ -45,9 +46,10 @@ def _explain(e: SlackApiError, channel: str, bot: str) -> str:
 def run_test(settings: SlackSettings, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """``slack test``: auth.test, scope check, then a test message. 0 ok, 2 with the reason."""
     out, err = out or sys.stdout, err or sys.stderr
+    secrets = [settings.token or "", settings.webhook_url or ""]
 
     def fail(msg: str) -> int:
-        print(f"slack test FAILED: {msg}", file=err)
+        print(f"slack test FAILED: {redact(msg, known=secrets)}", file=err)
         return 2
 
     if settings.problems():
@@ -58,6 +60,8 @@ def run_test(settings: SlackSettings, out: TextIO | None = None, err: TextIO | N
             r = webhook_client(settings).send(text=text)
         except OSError as e:
             return fail(f"network error: cannot reach the webhook URL: {e}")
+        except (SlackRequestError, ValueError) as e:  # both quote the URL: fail() redacts it
+            return fail(f"SPIKEGUARD_SLACK_WEBHOOK_URL is not a usable URL: {e}")
         if r.status_code != 200:
             return fail(
                 f"webhook answered HTTP {r.status_code}: {r.body} (no_service/"
@@ -84,6 +88,8 @@ def run_test(settings: SlackSettings, out: TextIO | None = None, err: TextIO | N
         return fail(_explain(e, channel, bot))
     except OSError as e:
         return fail(f"network error: cannot reach {settings.api_url}: {e}")
+    except SlackRequestError as e:
+        return fail(f"SPIKEGUARD_SLACK_API_URL is not a usable URL: {e}")
     print(
         f"slack test ok: posted to {channel} (channel {r.get('channel')}, ts {r.get('ts')})",
         file=out,
@@ -103,7 +109,7 @@ def cmd_test(args: argparse.Namespace) -> int:
     try:
         settings = SlackSettings.from_env(channel=args.channel, mention=args.mention)
     except ValueError as e:
-        print(f"slack test FAILED: {e}", file=sys.stderr)
+        print(f"slack test FAILED: {redact(str(e))}", file=sys.stderr)
         return 2
     return run_test(settings)
 

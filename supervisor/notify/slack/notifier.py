@@ -21,6 +21,7 @@ import logging
 import random
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from http.client import HTTPException
 from typing import Any
 
 from slack_sdk.errors import SlackApiError, SlackRequestError
+from spikeguard.workers.contract.secrets import redact
 
 from ..charts import has_chart_data, render_incident_chart
 from .client import web_client, webhook_client
@@ -319,7 +321,7 @@ class SlackNotifier:
             except _Failure as f:
                 self._undelivered(op, f.error)
             except Exception as e:  # never let one bad message stop the sender
-                log.exception("slack send failed")
+                log.error("slack send failed: %s", self._redact(traceback.format_exc()))
                 self._undelivered(op, f"{type(e).__name__}: {e}")
             with self._cv:
                 self._busy = False
@@ -477,7 +479,13 @@ class SlackNotifier:
             )
         )
 
+    def _redact(self, text: str) -> str:
+        """``text`` without the token, the webhook URL or anything that looks like a secret:
+        slack-sdk's errors can quote the URL they were given (``Invalid URL detected: …``)."""
+        return redact(text, known=[self.settings.token or "", self.settings.webhook_url or ""])
+
     def _undelivered(self, op: _Op, error: str) -> None:
+        error = self._redact(error)
         log.warning("slack: %s undelivered: %s", op.what, error)
         incident = op.ref.view.incident if op.ref else None
         self._safe_journal(
