@@ -248,12 +248,20 @@ def _trailing(cond: Trailing, ctx: Context, v: float, layer: str | None) -> Hit 
         factor = cond.above_median if cond.above_median is not None else cond.below_median
         if med <= 0:
             return None
-        ok = v > factor * med if cond.above_median is not None else v < factor * med  # type: ignore[operator]
+        ok = (
+            v > factor * med  # type: ignore[operator]
+            if cond.above_median is not None
+            else v < factor * med  # type: ignore[operator]
+        )
         if not ok:
             return None
         parts.append(f"{v / med:.2f}× its trailing median {fmt(s, med)} over {w}")
     if cond.z_above is not None or cond.z_below is not None:
-        ok = z >= cond.z_above if cond.z_above is not None else -z >= cond.z_below  # type: ignore[operator]
+        ok = (
+            z >= cond.z_above  # type: ignore[operator]
+            if cond.z_above is not None
+            else -z >= cond.z_below  # type: ignore[operator]
+        )
         if not ok:
             return None
         parts.append(

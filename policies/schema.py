@@ -269,7 +269,9 @@ class Rule(_Model):
     summary over all layers (min grade/entropy, max logit)."""
     ranks: RankScope = "any"
     """How many ranks must hold the condition: any, all, {fraction: 0.5} or {at_least: 2}."""
-    for_: DurationOf("samples", "steps", "seconds") | None = Field(None, alias="for")  # type: ignore[valid-type]
+    for_: DurationOf("samples", "steps", "seconds") | None = Field(  # type: ignore[valid-type]
+        None, alias="for"
+    )
     """Persistence: the condition must hold for this long before firing ('2 samples', '20 steps',
     '30s'). Omitted: fire at once."""
     cooldown: DurationOf("steps", "seconds") | None = None  # type: ignore[valid-type]
@@ -280,7 +282,8 @@ class Rule(_Model):
     signals, none otherwise."""
     action: Action
     """notify, recover, checkpoint (save one now) or stop."""
-    severity: Severity = None  # type: ignore[assignment]  # filled from the action before validation
+    # None is filled from the action before validation
+    severity: Severity = None  # type: ignore[assignment]
     """info, warn or page. Omitted: warn for notify and recover, info for checkpoint, page for
     stop."""
     recovery: RecoveryOverrides | None = None
@@ -378,7 +381,9 @@ class NotifySettings(_Model):
     """Slack channel, on-call mention and links (no secrets)."""
     routes: Routes = Routes()
     """Which destinations each severity goes to."""
-    repeat_interval: DurationOf("seconds") | None = Field("4h", validate_default=True)  # type: ignore[valid-type]
+    repeat_interval: DurationOf("seconds") | None = Field(  # type: ignore[valid-type]
+        "4h", validate_default=True
+    )
     """Repeat a still-firing notification this often ('4h'); null never repeats."""
     send_resolved: StrictBool = True
     """Send a message when a notify rule's condition clears."""
@@ -399,7 +404,9 @@ class Policy(_Model):
     """Name of the policy, shown in decisions and `policy explain`."""
     description: str = ""
     """What the policy is for, what it catches and what it costs."""
-    warm_in: DurationOf("steps") = Field("300 steps", validate_default=True)  # type: ignore[valid-type]
+    warm_in: DurationOf("steps") = Field(  # type: ignore[valid-type]
+        "300 steps", validate_default=True
+    )
     """Rules on per-layer signals (grade, entropy, logits, …) stay quiet before this training
     step: the grade swings early in healthy runs."""
     rules: list[Rule]
