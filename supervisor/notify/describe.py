@@ -179,10 +179,6 @@ def _probation_failed(f: _Fields) -> str:
     return f.because(f"{f.bold('Probation failed')} at step {f.num('step')}")
 
 
-def _escalated(f: _Fields) -> str:
-    return f.because(f.bold("ESCALATED"))
-
-
 def _completed(f: _Fields) -> str:
     return f"{f.bold('Run completed')}, final loss {f.num('final_loss')}"
 
@@ -191,24 +187,13 @@ def _failed(f: _Fields) -> str:
     return f.because(f"{f.bold('Run FAILED')} (exit code {f.text('exit_code')})")
 
 
-def _stopped(f: _Fields) -> str:
-    return f.because(f.bold("Run stopped"))
-
-
 def _launch_failed(f: _Fields) -> str:
     return f.because(f.bold(f"Launch of generation {f.text('generation')} failed"))
 
 
-def _resume(f: _Fields) -> str:
-    return f.because(f.bold("Supervisor restarted"))
-
-
-def _supervisor_start(f: _Fields) -> str:
-    return f.because(f.bold("Supervisor started"))
-
-
-def _reaped(f: _Fields) -> str:
-    return f.because(f.bold("Killed leftover rank processes"))
+def _headline(words: str) -> Callable[[_Fields], str]:
+    """A kind whose line is a headline and the event's reason (``Run stopped: by user``)."""
+    return lambda f: f.because(f.bold(words))
 
 
 def _notify_thread(f: _Fields) -> str:
@@ -232,15 +217,15 @@ TEMPLATES: dict[Kind, Callable[[_Fields], str]] = {
     Kind.PROBATION_PROGRESS: _probation_progress,
     Kind.PROBATION_PASSED: _probation_passed,
     Kind.PROBATION_FAILED: _probation_failed,
-    Kind.ESCALATED: _escalated,
+    Kind.ESCALATED: _headline("ESCALATED"),
     Kind.COMPLETED: _completed,
     Kind.FAILED: _failed,
-    Kind.STOPPED: _stopped,
+    Kind.STOPPED: _headline("Run stopped"),
     Kind.LAUNCH_FAILED: _launch_failed,
-    Kind.RESUME: _resume,
+    Kind.RESUME: _headline("Supervisor restarted"),
     Kind.ALERT: _alert,
-    Kind.SUPERVISOR_START: _supervisor_start,
-    Kind.REAPED: _reaped,
+    Kind.SUPERVISOR_START: _headline("Supervisor started"),
+    Kind.REAPED: _headline("Killed leftover rank processes"),
     Kind.NOTIFY_THREAD: _notify_thread,
     Kind.NOTIFY_UNDELIVERED: _notify_undelivered,
 }

@@ -31,6 +31,7 @@ from typing import Any
 from slack_sdk.errors import SlackApiError, SlackRequestError
 from spikeguard.workers.contract.secrets import redact
 
+from ...events import Kind
 from ..charts import has_chart_data, render_incident_chart
 from .client import web_client, webhook_client
 from .render import (
@@ -49,21 +50,22 @@ from .settings import SlackSettings
 log = logging.getLogger("spikeguard.slack")
 Journal = Callable[[dict], None]
 RECOVERY_KINDS = (
-    "kill",
-    "rollback",
-    "lr_cut",
-    "optimizer_reset",
-    "probation_start",
-    "probation_progress",
-    "probation_passed",
-    "probation_failed",
-    "escalated",
-    "launch",
-    "failed",
-    "incident",
-    "alert",
-    "stopped",
+    Kind.INCIDENT,
+    Kind.KILL,
+    Kind.ROLLBACK,
+    Kind.LR_CUT,
+    Kind.OPTIMIZER_RESET,
+    Kind.LAUNCH,
+    Kind.PROBATION_START,
+    Kind.PROBATION_PROGRESS,
+    Kind.PROBATION_PASSED,
+    Kind.PROBATION_FAILED,
+    Kind.ESCALATED,
+    Kind.FAILED,
+    Kind.STOPPED,
+    Kind.ALERT,
 )
+"""Kinds that go into the thread of the incident they name (a launch only into an open one)."""
 TRANSIENT = {"internal_error", "fatal_error", "service_unavailable", "request_timeout"}
 MAX_QUEUE = 2000
 
