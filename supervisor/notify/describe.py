@@ -67,6 +67,7 @@ class _Fields:
         self.mrkdwn = markup == "mrkdwn"
 
     def get(self, key: str) -> Any:
+        """The field's raw value (None when missing)."""
         return self.e.get(key)
 
     def esc(self, text: str) -> str:
@@ -83,9 +84,11 @@ class _Fields:
         return self.esc(num(self.e.get(key), digits))
 
     def bold(self, rendered: str) -> str:
+        """Already rendered text, in bold."""
         return f"*{rendered}*" if self.mrkdwn else rendered
 
     def code(self, rendered: str) -> str:
+        """Already rendered text, as code."""
         return f"`{rendered}`" if self.mrkdwn else rendered
 
     @property
