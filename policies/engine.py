@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 from spikeguard.workers.contract.signals import LAYER_SIGNALS
 
-from .evaluate import Context, Hit, Message, Series, evaluate, number
+from .evaluate import Context, Hit, RankMessage, Series, evaluate, number
 from .schema import FractionOfRanks, Policy, RecoverySettings, Rule
 from .values import Duration
 
@@ -105,7 +105,7 @@ class _Compiled:
         default = policy.warm_in.value if rule.uses_layer_signals else 0
         self.warm_in = int(rule.warm_in.value) if rule.warm_in is not None else int(default)
 
-    def layers(self, msg: Message) -> list[str | None]:
+    def layers(self, msg: RankMessage) -> list[str | None]:
         globs = self.rule.layers
         if globs is None or msg.type != "report":
             return [None]
@@ -173,7 +173,7 @@ class Engine:
                 out.extend(self._evaluate(c, parsed))
         return out
 
-    def _accept(self, msg: Any) -> Message | None:
+    def _accept(self, msg: Any) -> RankMessage | None:
         if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
             self.ignored += 1
             return None
@@ -208,9 +208,9 @@ class Engine:
             at = number(msg.get("t"))
         if at is not None and math.isfinite(at):
             self._last_at = at
-        return Message(msg, int(step), self._last_at)
+        return RankMessage(msg, int(step), self._last_at)
 
-    def _record(self, m: Message) -> None:
+    def _record(self, m: RankMessage) -> None:
         self._ranks.add(m.rank)
         if m.type == "hello" and isinstance(m.raw.get("world_size"), int):
             self._world_size = m.raw["world_size"]
@@ -236,7 +236,7 @@ class Engine:
                         s = self._series[(m.rank, layer, signal)] = Series(need)
                     s.add(m.step, v)
 
-    def _evaluate(self, c: _Compiled, m: Message) -> list[Decision]:
+    def _evaluate(self, c: _Compiled, m: RankMessage) -> list[Decision]:
         per_layer = self._instances.setdefault((c.index, m.rank), {})
         for layer in c.layers(m):
             inst = per_layer.setdefault(layer, _Instance())
@@ -283,7 +283,7 @@ class Engine:
         return None
 
     def _update(
-        self, c: _Compiled, m: Message, key: tuple, hit: Hit | None, rank: int | None, who: str
+        self, c: _Compiled, m: RankMessage, key: tuple, hit: Hit | None, rank: int | None, who: str
     ) -> list[Decision]:
         group = self._groups.setdefault(key, _Group())
         rule = c.rule
@@ -316,7 +316,7 @@ class Engine:
                 ]
         return []
 
-    def _cooling(self, c: _Compiled, m: Message) -> bool:
+    def _cooling(self, c: _Compiled, m: RankMessage) -> bool:
         d, last = c.rule.cooldown, self._fired.get(c.index)
         if d is None or last is None:
             return False
@@ -327,7 +327,7 @@ class Engine:
     def _decision(
         self,
         c: _Compiled,
-        m: Message,
+        m: RankMessage,
         reason: str,
         rank: int | None,
         layer: str | None,

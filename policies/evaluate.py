@@ -43,8 +43,9 @@ def fmt(signal: str | None, v: float | None) -> str:
     return f"{v:.4g}"
 
 
-class Message:
-    """A rank message with the accessors the tests need."""
+class RankMessage:
+    """A parsed rank message (heartbeat, report, exit, hang) as the engine evaluates it: its step,
+    its time and its layers, with the accessors the conditions' tests need."""
 
     def __init__(self, raw: dict, step: int, at: float) -> None:
         self.raw, self.type, self.step, self.at = raw, raw.get("type"), step, at
@@ -120,7 +121,7 @@ def _window(
 class Context:
     """Where a condition is evaluated: one message, one layer (None: the summary), the series."""
 
-    def __init__(self, msg: Message, layer: str | None, series: dict) -> None:
+    def __init__(self, msg: RankMessage, layer: str | None, series: dict) -> None:
         self.msg, self.layer, self.series = msg, layer, series
 
     def value(self, signal: str) -> float | None:
@@ -249,12 +250,20 @@ def _trailing(cond: Trailing, ctx: Context, v: float, layer: str | None) -> Hit 
         factor = cond.above_median if cond.above_median is not None else cond.below_median
         if med <= 0:
             return None
-        ok = v > factor * med if cond.above_median is not None else v < factor * med  # type: ignore[operator]
+        ok = (
+            v > factor * med  # type: ignore[operator]
+            if cond.above_median is not None
+            else v < factor * med  # type: ignore[operator]
+        )
         if not ok:
             return None
         parts.append(f"{v / med:.2f}× its trailing median {fmt(s, med)} over {w}")
     if cond.z_above is not None or cond.z_below is not None:
-        ok = z >= cond.z_above if cond.z_above is not None else -z >= cond.z_below  # type: ignore[operator]
+        ok = (
+            z >= cond.z_above  # type: ignore[operator]
+            if cond.z_above is not None
+            else -z >= cond.z_below  # type: ignore[operator]
+        )
         if not ok:
             return None
         parts.append(

@@ -11,7 +11,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BeforeValidator,
@@ -57,7 +57,7 @@ __all__ = [
     "RecoverySettings",
     "Routes",
     "Rule",
-    "SlackSettings",
+    "SlackTarget",
     "Threshold",
     "Trailing",
 ]
@@ -133,7 +133,8 @@ def _lr_factors(v: Any) -> Any:
             or not math.isfinite(f)
         ):
             fail(
-                f"each LR factor must be in (0, 1] (it multiplies the learning rate), got {show(f)}",
+                "each LR factor must be in (0, 1] (it multiplies the learning rate), "
+                f"got {show(f)}",
                 i,
             )
     return [float(f) for f in v]
@@ -171,8 +172,9 @@ class RecoverySettings(_Model):
     """The checkpoint must be at least this many steps before the incident."""
     fallback_on_corrupt: StrictBool = True
     """When a checkpoint fails its checksum, fall back to the next older one that qualifies."""
-    lr_factors: LrFactors = [0.5]
-    """LR factor per attempt, each in (0, 1]: attempt i uses lr_factors[min(i, len-1)], and the scale compounds across attempts."""
+    lr_factors: LrFactors = [0.5]  # noqa: RUF012 (pydantic copies field defaults)
+    """LR factor per attempt, each in (0, 1]: attempt i uses lr_factors[min(i, len-1)], and the
+    scale compounds across attempts."""
     reset_optimizer: StrictBool = True
     """Start the optimizer from fresh state on resume (its moments are often poisoned)."""
     skip_window: StepCount = 0
@@ -182,9 +184,11 @@ class RecoverySettings(_Model):
     max_attempts: Attempts = 3
     """Recoveries allowed before the budget is spent."""
     max_incidents: Attempts = 10
-    """Incidents allowed in one run (each with its own max_attempts); the next one escalates at once, so a fault that recurs every few thousand steps cannot loop forever."""
+    """Incidents allowed in one run (each with its own max_attempts); the next one escalates at
+    once, so a fault that recurs every few thousand steps cannot loop forever."""
     on_exhausted: OnExhausted = "stop"
-    """When the budget is spent: 'stop' the job and page, or 'hold' (keep it stopped for a human)."""
+    """When the budget is spent: 'stop' the job and page, or 'hold' (keep it stopped for a
+    human)."""
 
     def lr_factor(self, attempt: int) -> float:
         """The factor of attempt ``attempt`` (0-based)."""
@@ -200,7 +204,8 @@ class RecoverySettings(_Model):
 
 
 class RecoveryOverrides(_Model):
-    """Per-rule changes to the policy's recovery settings; omitted fields keep the policy's value."""
+    """Per-rule changes to the policy's recovery settings; omitted fields keep the policy's
+    value."""
 
     min_grade: Grade | None = None
     """Override of recovery.min_grade."""
@@ -254,24 +259,33 @@ class Rule(_Model):
     description: str = ""
     """What the rule is for; shown by `policy explain`."""
     when: Condition
-    """The condition: a mapping (one test, or all:/any: lists) or a compact string like 'grade < S3'."""
+    """The condition: a mapping (one test, or all:/any: lists) or a compact string like
+    'grade < S3'."""
     layers: (
-        Annotated[list[str], BeforeValidator(_layers, json_schema_input_type=Union[str, list[str]])]
+        Annotated[list[str], BeforeValidator(_layers, json_schema_input_type=str | list[str])]
         | None
     ) = None
-    """Glob(s) on layer names: each matching layer is tested on its own. Omitted: the rank's summary over all layers (min grade/entropy, max logit)."""
+    """Glob(s) on layer names: each matching layer is tested on its own. Omitted: the rank's
+    summary over all layers (min grade/entropy, max logit)."""
     ranks: RankScope = "any"
     """How many ranks must hold the condition: any, all, {fraction: 0.5} or {at_least: 2}."""
-    for_: DurationOf("samples", "steps", "seconds") | None = Field(None, alias="for")  # type: ignore[valid-type]
-    """Persistence: the condition must hold for this long before firing ('2 samples', '20 steps', '30s'). Omitted: fire at once."""
+    for_: DurationOf("samples", "steps", "seconds") | None = Field(  # type: ignore[valid-type]
+        None, alias="for"
+    )
+    """Persistence: the condition must hold for this long before firing ('2 samples', '20 steps',
+    '30s'). Omitted: fire at once."""
     cooldown: DurationOf("steps", "seconds") | None = None  # type: ignore[valid-type]
-    """After firing, the rule stays quiet for this long (steps of training seen, or time); it carries across relaunches."""
+    """After firing, the rule stays quiet for this long (steps of training seen, or time); it
+    carries across relaunches."""
     warm_in: DurationOf("steps") | None = None  # type: ignore[valid-type]
-    """No firing before this training step. Omitted: the policy's warm_in for rules on per-layer signals, none otherwise."""
+    """No firing before this training step. Omitted: the policy's warm_in for rules on per-layer
+    signals, none otherwise."""
     action: Action
     """notify, recover, checkpoint (save one now) or stop."""
-    severity: Severity = None  # type: ignore[assignment]  # filled from the action before validation
-    """info, warn or page. Omitted: warn for notify and recover, info for checkpoint, page for stop."""
+    # None is filled from the action before validation
+    severity: Severity = None  # type: ignore[assignment]
+    """info, warn or page. Omitted: warn for notify and recover, info for checkpoint, page for
+    stop."""
     recovery: RecoveryOverrides | None = None
     """Overrides of the policy's recovery settings for this rule (action: recover only)."""
 
@@ -293,7 +307,8 @@ class Rule(_Model):
     def _coherent(self) -> Rule:
         if self.recovery is not None and self.action != "recover":
             fail(
-                f"'recovery' overrides only apply to action: recover (this rule does {self.action})",
+                "'recovery' overrides only apply to action: recover "
+                f"(this rule does {self.action})",
                 "recovery",
             )
         if self.layers is not None and not (self.when.signals() & set(LAYER_SIGNALS)):
@@ -326,13 +341,14 @@ Destinations = Annotated[
     list[Destination],
     BeforeValidator(
         lambda v: [v] if isinstance(v, str) else v,
-        json_schema_input_type=Union[Destination, list[Destination]],
+        json_schema_input_type=Destination | list[Destination],
     ),
 ]
 
 
-class SlackSettings(_Model):
-    """Where Slack messages go. The token never goes here: set SLACK_BOT_TOKEN or SPIKEGUARD_SLACK_WEBHOOK_URL."""
+class SlackTarget(_Model):
+    """Where Slack messages go. The token never goes here: set SLACK_BOT_TOKEN or
+    SPIKEGUARD_SLACK_WEBHOOK_URL."""
 
     channel: str | None = Field(None, min_length=1)
     """Channel name or id such as '#training-alerts'. Omitted: $SPIKEGUARD_SLACK_CHANNEL."""
@@ -350,22 +366,24 @@ class SlackSettings(_Model):
 class Routes(_Model):
     """Where each severity goes."""
 
-    info: Destinations = ["console"]
+    info: Destinations = ["console"]  # noqa: RUF012 (pydantic copies field defaults)
     """Destinations of info messages: a list of console and/or slack."""
-    warn: Destinations = ["console", "slack"]
+    warn: Destinations = ["console", "slack"]  # noqa: RUF012 (pydantic copies field defaults)
     """Destinations of warn messages."""
-    page: Destinations = ["console", "slack"]
+    page: Destinations = ["console", "slack"]  # noqa: RUF012 (pydantic copies field defaults)
     """Destinations of page messages (Slack ones @-mention slack.mention)."""
 
 
 class NotifySettings(_Model):
     """Notification routing, in the spirit of Alertmanager routes."""
 
-    slack: SlackSettings = SlackSettings()
+    slack: SlackTarget = SlackTarget()
     """Slack channel, on-call mention and links (no secrets)."""
     routes: Routes = Routes()
     """Which destinations each severity goes to."""
-    repeat_interval: DurationOf("seconds") | None = Field("4h", validate_default=True)  # type: ignore[valid-type]
+    repeat_interval: DurationOf("seconds") | None = Field(  # type: ignore[valid-type]
+        "4h", validate_default=True
+    )
     """Repeat a still-firing notification this often ('4h'); null never repeats."""
     send_resolved: StrictBool = True
     """Send a message when a notify rule's condition clears."""
@@ -386,8 +404,11 @@ class Policy(_Model):
     """Name of the policy, shown in decisions and `policy explain`."""
     description: str = ""
     """What the policy is for, what it catches and what it costs."""
-    warm_in: DurationOf("steps") = Field("300 steps", validate_default=True)  # type: ignore[valid-type]
-    """Rules on per-layer signals (grade, entropy, logits, …) stay quiet before this training step: the grade swings early in healthy runs."""
+    warm_in: DurationOf("steps") = Field(  # type: ignore[valid-type]
+        "300 steps", validate_default=True
+    )
+    """Rules on per-layer signals (grade, entropy, logits, …) stay quiet before this training
+    step: the grade swings early in healthy runs."""
     rules: list[Rule]
     """The rules, evaluated in order on every message."""
     recovery: RecoverySettings = RecoverySettings()

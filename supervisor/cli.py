@@ -16,7 +16,7 @@ from typing import Any
 from spikeguard.policies import commands as policy_commands
 from spikeguard.workers.contract.exitcodes import ExitCode
 
-from . import slack_cmd
+from .notify.slack import command as slack_command
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -44,8 +44,8 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .console import render_status
     from .journal import read_events
+    from .notify.console import render_status
 
     path = Path(args.run_dir) / "status.json"
     if not path.exists():
@@ -68,8 +68,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _events(args: argparse.Namespace) -> int:
-    from .console import describe
     from .journal import read_events
+    from .notify.describe import describe
 
     if not (Path(args.run_dir) / "journal.jsonl").exists():
         print(f"spikeguard: no journal in {args.run_dir}", file=sys.stderr)
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_demo)
     policy_commands.register(sub)
-    slack_cmd.register(sub)
+    slack_command.register(sub)
     return p
 
 

@@ -8,8 +8,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .console import describe
+from .events import STORY_KINDS
 from .journal import read_events
+from .notify.describe import describe
 
 
 def run_demo(
@@ -49,8 +50,10 @@ def run_demo(
         timeouts={"heartbeat_s": 60, "first_heartbeat_s": 180},
     )
     print(
-        f"spikeguard demo: {workers} ranks of examples/gpt_diverge.py (a GPT whose LR warm-up overshoots)\n"
-        f"  run directory: {run_path}\n  watch from another terminal: spikeguard status {run_path}\n",
+        f"spikeguard demo: {workers} ranks of examples/gpt_diverge.py "
+        "(a GPT whose LR warm-up overshoots)\n"
+        f"  run directory: {run_path}\n"
+        f"  watch from another terminal: spikeguard status {run_path}\n",
         flush=True,
     )
     code = run_job(job, live=True)
@@ -63,12 +66,7 @@ def story(run_dir: Path) -> None:
     events = read_events(run_dir)
     print("\n=== what happened (spikeguard events " + str(run_dir) + ") ===")
     for ev in events:
-        if ev["kind"] in (
-            "notify_thread",
-            "notify_undelivered",
-            "supervisor_start",
-            "probation_progress",
-        ):
+        if ev.get("kind") not in STORY_KINDS:
             continue
         print(f"  {ev['kind']:<17} {describe(ev)}")
     try:
@@ -81,6 +79,6 @@ def story(run_dir: Path) -> None:
     last = events[-1] if events else {}
     if last.get("kind") == "completed":
         print(
-            f"\nfinal loss {last.get('final_loss'):.3f} — see the README for the unsupervised run of the "
-            "same recipe, which diverges"
+            f"\nfinal loss {last.get('final_loss'):.3f} — see the README for the unsupervised run "
+            "of the same recipe, which diverges"
         )

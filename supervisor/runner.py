@@ -11,13 +11,13 @@ from spikeguard.workers.contract.exitcodes import ExitCode
 
 from . import recovery as rc
 from . import rundir
-from .console import ConsoleNotifier, LiveView
 from .controller import Controller
 from .events import TERMINAL_KINDS, Kind
 from .job import JobSpec
 from .journal import read_events
 from .launch.group import GroupSpec, WorkerGroup, python_cmd
 from .launch.ray_init import init_ray
+from .notify.console import ConsoleNotifier, LiveView
 
 
 def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> list[Any]:
@@ -33,11 +33,11 @@ def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> l
         return notifiers
     if not (os.environ.get("SLACK_BOT_TOKEN") or os.environ.get("SPIKEGUARD_SLACK_WEBHOOK_URL")):
         print(
-            "spikeguard: Slack is configured but neither SLACK_BOT_TOKEN nor SPIKEGUARD_SLACK_WEBHOOK_URL "
-            "is set; notifying on the console only"
+            "spikeguard: Slack is configured but neither SLACK_BOT_TOKEN nor "
+            "SPIKEGUARD_SLACK_WEBHOOK_URL is set; notifying on the console only"
         )
         return notifiers
-    from .slack import SlackNotifier, SlackSettings
+    from .notify.slack import SlackNotifier, SlackSettings
 
     settings = SlackSettings.from_env(
         channel=(
@@ -157,7 +157,8 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         what = "resuming" if events else "running"
         print(
-            f"spikeguard: {what} run {job.name} in {run_dir} ({job.workers} ranks, policy {job.policy})",
+            f"spikeguard: {what} run {job.name} in {run_dir} ({job.workers} ranks, "
+            f"policy {job.policy})",
             flush=True,
         )
         return ctl.run(resume_events=events or None)

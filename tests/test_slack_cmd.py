@@ -11,7 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakeslack import TOKEN, FakeSlack
-from spikeguard.supervisor import slack_cmd
+from spikeguard.supervisor.notify.slack import command as slack_command
+from spikeguard.supervisor.notify.slack.settings import SlackSettings
 
 
 def run_cli(
@@ -38,7 +39,7 @@ def run_cli(
     if fake_url:
         monkeypatch.setenv("SPIKEGUARD_SLACK_API_URL", fake_url)
     parser = argparse.ArgumentParser(prog="spikeguard")
-    slack_cmd.register(parser.add_subparsers(dest="command"))
+    slack_command.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["slack", "test", *argv])
     code = args.func(args)
     out, err = capsys.readouterr()
@@ -63,7 +64,7 @@ def test_success_posts_a_test_message(fake, monkeypatch, capsys):
 def test_channel_from_the_environment(fake, monkeypatch, capsys):
     monkeypatch.setenv("SPIKEGUARD_SLACK_CHANNEL", "C0ALERTS")
     parser = argparse.ArgumentParser()
-    slack_cmd.register(parser.add_subparsers())
+    slack_command.register(parser.add_subparsers())
     monkeypatch.setenv("SLACK_BOT_TOKEN", TOKEN)
     monkeypatch.setenv("SPIKEGUARD_SLACK_API_URL", fake.api_url)
     args = parser.parse_args(["slack", "test"])
@@ -92,12 +93,12 @@ def test_channel_not_found(fake, monkeypatch, capsys):
 
 def test_missing_scope_seen_in_the_token_scopes():
     with FakeSlack(scopes=("files:write",)) as fake:
-        s = slack_cmd.SlackSettings.from_env(
+        s = SlackSettings.from_env(
             channel="#ml-alerts",
             environ={"SLACK_BOT_TOKEN": TOKEN, "SPIKEGUARD_SLACK_API_URL": fake.api_url},
         )
         out, err = _Buf(), _Buf()
-        assert slack_cmd.run_test(s, out, err) == 2
+        assert slack_command.run_test(s, out, err) == 2
         assert "missing_scope" in err.text and "chat:write" in err.text
         assert not fake.messages
 
@@ -134,6 +135,19 @@ def test_nothing_configured(monkeypatch, capsys):
 def test_bad_mention(monkeypatch, capsys):
     code, _, err = run_cli(monkeypatch, capsys, None, "--channel", "#x", "--mention", "@oncall")
     assert code == 2 and "would notify nobody" in err
+
+
+@pytest.mark.parametrize(
+    "scheme, quoted",
+    [("", "unknown url type: '[redacted]'"), ("ftp://", "Invalid URL detected: [redacted]")],
+)
+def test_an_unusable_webhook_url_is_explained_without_echoing_it(
+    monkeypatch, capsys, caplog, scheme, quoted
+):
+    hook = f"{scheme}hooks.example.com/services/T000/B000/s3cr3tP4th"  # urllib, slack-sdk quote it
+    code, out, err = run_cli(monkeypatch, capsys, None, token=None, webhook=hook)
+    assert code == 2 and "SPIKEGUARD_SLACK_WEBHOOK_URL is not a usable URL" in err
+    assert quoted in err and "s3cr3tP4th" not in out + err + caplog.text
 
 
 def test_webhook_mode(fake, monkeypatch, capsys):

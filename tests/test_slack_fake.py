@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -13,15 +12,9 @@ from slack_sdk.errors import SlackApiError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakeslack import SPEC_PATH, TOKEN, FakeSlack, incident_events, load_spec
-from spikeguard.supervisor.charts import has_chart_data, render_incident_chart
-from spikeguard.supervisor.slack_blocks import (
-    IncidentView,
-    Links,
-    num,
-    ranks_text,
-    root_message,
-    summary_line,
-)
+from spikeguard.supervisor.events import INCIDENT_STATE, IncidentState, Kind
+from spikeguard.supervisor.notify.charts import has_chart_data, render_incident_chart
+from spikeguard.supervisor.notify.slack.render import IncidentView, Links, root_message
 
 
 @pytest.fixture
@@ -183,22 +176,6 @@ def test_chart_is_a_small_png_and_tolerates_gaps():
         render_incident_chart({"steps": []})
 
 
-def test_text_helpers():
-    assert ranks_text([0, 1, 2, 3, 5, 7, 8]) == "0–3, 5, 7–8"
-    assert ranks_text(None) == "—"
-    assert (num(12345), num(0.000123456), num(math.nan), num(None), num("inf")) == (
-        "12,345",
-        "0.0001235",
-        "nan",
-        "—",
-        "inf",
-    )
-    assert (
-        summary_line({"kind": "lr_cut", "factor": 0.5, "lr_scale": 0.25})
-        == "LR cut ×0.5: LR scale now 0.25"
-    )
-
-
 def test_root_message_in_every_state():
     view = IncidentView(run="gpt-1b", incident="inc-001")
     headers, pings = [], []
@@ -211,3 +188,14 @@ def test_root_message_in_every_state():
     assert headers[0] == "[RECOVERING] S2 · gpt-1b" and headers[6] == "[PROBATION] S2 · gpt-1b"
     assert headers[-1] == "[ESCALATED] S2 · gpt-1b"
     assert pings[0] and not pings[6] and pings[-1]  # page while recovering and when escalated
+
+
+def test_the_incident_state_follows_the_journals_table():
+    for kind in Kind:
+        view = IncidentView(run="gpt-1b", incident="inc-001")
+        view.apply({"kind": "probation_start", "until_step": 1400})
+        changed = view.apply({"kind": kind.value, "reason": "r"})
+        expected = INCIDENT_STATE.get(kind, IncidentState.PROBATION)
+        assert view.state is expected and changed == (expected is not IncidentState.PROBATION)
+    assert not view.apply({"kind": ["not", "a", "kind"]})  # a malformed event changes nothing
+    assert view.state is IncidentState.PROBATION and not view.concluded

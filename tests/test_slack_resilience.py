@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -11,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakeslack import TOKEN, FakeSlack, incident_events
-from spikeguard.supervisor.slack import SlackNotifier, SlackSettings
+from spikeguard.supervisor.notify.slack import SlackNotifier, SlackSettings
 
 HANDLE_BUDGET_S = 0.05  # what one notification may cost a recovery step
 
@@ -37,7 +39,7 @@ def assert_whole_thread(fake: FakeSlack) -> None:
     (root,) = fake.roots()
     replies = fake.replies(root["ts"])
     assert len(replies) == 7 and replies[-1]["reply_broadcast"]
-    assert len(fake.files) == 1 and list(fake.files.values())[0]["thread_ts"] == root["ts"]
+    assert len(fake.files) == 1 and next(iter(fake.files.values()))["thread_ts"] == root["ts"]
     assert root["blocks"][0]["text"]["text"].startswith("[RESOLVED]")
 
 
@@ -150,7 +152,7 @@ def test_messages_are_paced_per_channel(fake):
         for c in fake.calls
         if c.method in ("chat.postMessage", "chat.update", "files.getUploadURLExternal")
     )
-    gaps = [b - a for a, b in zip(writes, writes[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(writes)]
     assert len(writes) >= 8 and min(gaps) >= 0.19, gaps
 
 
@@ -168,3 +170,21 @@ def test_a_broken_journal_or_event_never_raises_into_the_caller(fake):
     assert n.flush(30)
     n.close(5)
     assert len(fake.roots()) == 2  # inc-009 (created from its first step) and inc-001
+
+
+@pytest.mark.parametrize(
+    "scheme, quoted",
+    [("", "unknown url type: '[redacted]'"), ("ftp://", "Invalid URL detected: [redacted]")],
+)
+def test_an_unusable_webhook_url_is_never_journaled_or_logged(caplog, scheme, quoted):
+    hook = f"{scheme}hooks.example.com/services/T000/B000/s3cr3tP4th"  # urllib, slack-sdk quote it
+    env = {"SPIKEGUARD_SLACK_WEBHOOK_URL": hook}
+    s = SlackSettings.from_env(environ=env, min_interval_s=0.0, max_retries=1, backoff_s=0.01)
+    journal: list[dict] = []
+    n = SlackNotifier(s, run="gpt-1b", journal=journal.append)
+    n.handle(incident_events()[0])
+    assert n.flush(30)
+    n.close(5)
+    (lost,) = [e for e in journal if e["kind"] == "notify_undelivered"]
+    assert quoted in lost["error"]
+    assert "s3cr3tP4th" not in json.dumps(journal) and "s3cr3tP4th" not in caplog.text

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakeslack import TOKEN, FakeSlack, incident_events
-from spikeguard.supervisor.slack import SlackNotifier, SlackSettings
+from spikeguard.supervisor.notify.slack import SlackNotifier, SlackSettings
 
 RUN_URL = "https://runs.example.com/gpt-1b"
 

@@ -21,6 +21,7 @@ import logging
 import random
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -28,12 +29,15 @@ from http.client import HTTPException
 from typing import Any
 
 from slack_sdk.errors import SlackApiError, SlackRequestError
+from spikeguard.workers.contract.secrets import redact
 
-from .charts import has_chart_data, render_incident_chart
-from .slack_blocks import (
+from ...events import Kind
+from ..charts import has_chart_data, render_incident_chart
+from .client import web_client, webhook_client
+from .render import (
     IncidentView,
     Links,
-    Message,
+    SlackMessage,
     alert_message,
     parse_time,
     root_message,
@@ -41,28 +45,27 @@ from .slack_blocks import (
     standalone_step_message,
     step_message,
 )
-from .slack_cmd import SlackSettings, refuse_secret_in_config, web_client, webhook_client
-
-__all__ = ["SlackNotifier", "SlackSettings", "refuse_secret_in_config"]
+from .settings import SlackSettings
 
 log = logging.getLogger("spikeguard.slack")
 Journal = Callable[[dict], None]
 RECOVERY_KINDS = (
-    "kill",
-    "rollback",
-    "lr_cut",
-    "optimizer_reset",
-    "probation_start",
-    "probation_progress",
-    "probation_passed",
-    "probation_failed",
-    "escalated",
-    "launch",
-    "failed",
-    "incident",
-    "alert",
-    "stopped",
+    Kind.INCIDENT,
+    Kind.KILL,
+    Kind.ROLLBACK,
+    Kind.LR_CUT,
+    Kind.OPTIMIZER_RESET,
+    Kind.LAUNCH,
+    Kind.PROBATION_START,
+    Kind.PROBATION_PROGRESS,
+    Kind.PROBATION_PASSED,
+    Kind.PROBATION_FAILED,
+    Kind.ESCALATED,
+    Kind.FAILED,
+    Kind.STOPPED,
+    Kind.ALERT,
 )
+"""Kinds that go into the thread of the incident they name (a launch only into an open one)."""
 TRANSIENT = {"internal_error", "fatal_error", "service_unavailable", "request_timeout"}
 MAX_QUEUE = 2000
 
@@ -93,7 +96,7 @@ class _Op:
     kind: str  # post | root | reply | update | chart
     what: str
     ref: _Incident | None = None
-    message: Message | None = None
+    message: SlackMessage | None = None
     broadcast: bool = False
     version: int = 0
     droppable: bool = False
@@ -206,7 +209,7 @@ class SlackNotifier:
             self._incidents[inc] = _Incident(IncidentView(run=self.run, incident=inc))
         return self._incidents[inc]
 
-    def _root(self, view: IncidentView) -> Message:
+    def _root(self, view: IncidentView) -> SlackMessage:
         return root_message(view, self._links, self.settings.mention)
 
     def _plan(self, ev: dict) -> list[_Op]:
@@ -320,7 +323,7 @@ class SlackNotifier:
             except _Failure as f:
                 self._undelivered(op, f.error)
             except Exception as e:  # never let one bad message stop the sender
-                log.exception("slack send failed")
+                log.error("slack send failed: %s", self._redact(traceback.format_exc()))
                 self._undelivered(op, f"{type(e).__name__}: {e}")
             with self._cv:
                 self._busy = False
@@ -362,7 +365,7 @@ class SlackNotifier:
             self._send(lambda: self._upload(th, png, view))
 
     def _ensure_thread(
-        self, ref: _Incident, message: Message | None = None, version: int = 0
+        self, ref: _Incident, message: SlackMessage | None = None, version: int = 0
     ) -> _Thread:
         """The incident's thread; posts its root first (``message`` or the current state)."""
         with self._cv:
@@ -425,7 +428,7 @@ class SlackNotifier:
             raise _Failure(f"network error: {type(e).__name__}: {e}", retry=True) from None
 
     def _post(
-        self, channel: str, msg: Message, thread_ts: str | None = None, broadcast: bool = False
+        self, channel: str, msg: SlackMessage, thread_ts: str | None = None, broadcast: bool = False
     ) -> tuple[str, str]:
         if self._hook is not None:
             r = self._call(
@@ -457,7 +460,7 @@ class SlackNotifier:
         )
         return str(r["channel"]), str(r["ts"])
 
-    def _update(self, th: _Thread, msg: Message) -> None:
+    def _update(self, th: _Thread, msg: SlackMessage) -> None:
         self._call(
             lambda: self._web.chat_update(  # type: ignore[union-attr]
                 channel=th.channel, ts=th.ts, text=msg.text, blocks=msg.blocks
@@ -478,7 +481,13 @@ class SlackNotifier:
             )
         )
 
+    def _redact(self, text: str) -> str:
+        """``text`` without the token, the webhook URL or anything that looks like a secret:
+        slack-sdk's errors can quote the URL they were given (``Invalid URL detected: …``)."""
+        return redact(text, known=[self.settings.token or "", self.settings.webhook_url or ""])
+
     def _undelivered(self, op: _Op, error: str) -> None:
+        error = self._redact(error)
         log.warning("slack: %s undelivered: %s", op.what, error)
         incident = op.ref.view.incident if op.ref else None
         self._safe_journal(

@@ -1,0 +1,63 @@
+"""Console output: the story as it is journaled, and a live per-rank view.
+
+:class:`ConsoleNotifier` prints one line per story event (:data:`~..events.STORY_KINDS`) with
+:func:`.describe.describe`; :class:`LiveView` and ``spikeguard status`` print
+:func:`render_status` of the status dict (``status.json``, :func:`..rundir.status_dict`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+from spikeguard.workers.contract.signals import grade_text
+
+from .. import rundir
+from ..events import STORY_KINDS
+from .describe import describe
+
+
+class ConsoleNotifier:
+    """Prints every story event as it is journaled."""
+
+    def __init__(self, out: TextIO | None = None) -> None:
+        self.out = out or sys.stdout
+
+    def handle(self, ev: dict[str, Any]) -> None:
+        """Print ``ev`` if a person following the run wants to read it."""
+        if ev.get("kind") in STORY_KINDS:
+            print(f"[spikeguard {ev['mono']:8.1f}s] {describe(ev)}", file=self.out, flush=True)
+
+
+class LiveView:
+    """Prints the per-rank grade, entropy, loss and the recovery state every few seconds."""
+
+    def __init__(self, *, every_s: float = 5.0, out: TextIO | None = None) -> None:
+        self.every_s = every_s
+        self.out = out or sys.stderr
+        self._last = 0.0
+
+    def __call__(self, ctl: Any) -> None:
+        """Print the controller's status (what ``status.json`` holds), at most every ``every_s``."""
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            return
+        self._last = now
+        print(render_status(rundir.status_dict(ctl)), file=self.out, flush=True)
+
+
+def render_status(s: dict[str, Any]) -> str:
+    """The live view / ``spikeguard status`` text for a status dict."""
+    head = f"{s['phase']:<12} gen {s['generation']}  LR x{s['lr_scale']:.3g}"
+    if s.get("probation_until"):
+        head += f"  probation until step {s['probation_until']}"
+    parts = []
+    for r, v in sorted(s.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
+        grade, ent, loss = grade_text(v.get("grade")), v.get("attn_entropy_min"), v.get("loss")
+        parts.append(f"r{r}: step {v.get('step')} {grade} H_min {_f(ent)} loss {_f(loss)}")
+    return head + ("  |  " + "  |  ".join(parts) if parts else "")
+
+
+def _f(x: Any) -> str:
+    return f"{x:.3f}" if isinstance(x, (int, float)) else str(x)

@@ -1,0 +1,248 @@
+"""One line per journal event, for people: the console, ``spikeguard events``, the demo, Slack.
+
+Each event kind has one template (:data:`TEMPLATES`), written once and rendered in either of two
+markups: ``plain`` text (the console, logs, Slack's notification fallback) or Slack ``mrkdwn``
+(bold, code and ``&<>`` escaping). The words are the same in both.
+
+Events come from the journal, which may be hand-written or older than this code: a field may be
+missing or of the wrong type. Nothing here raises on such an event; a missing value reads ``—``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from spikeguard.workers.contract.signals import grade_text
+
+from ..events import Kind
+
+Markup = Literal["plain", "mrkdwn"]
+MISSING = "—"
+"""How a missing value reads."""
+
+
+def esc(value: Any) -> str:
+    """Escape a value for Slack mrkdwn (``&``, ``<``, ``>`` only, as Slack documents)."""
+    return str(value).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def num(value: Any, digits: int = 4) -> str:
+    """``12,345`` for ints, ``digits`` significant digits for finite floats, ``—`` for None;
+    anything else as it is (``nan``, a string)."""
+    if value is None:
+        return MISSING
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.{digits}g}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
+
+
+def ranks_text(ranks: Any) -> str:
+    """``[0, 1, 2, 3, 5]`` -> ``0–3, 5``; anything that is not a list of ranks as it is."""
+    try:
+        values = sorted({int(r) for r in ranks})
+    except (TypeError, ValueError):
+        return MISSING if ranks is None else str(ranks)
+    runs: list[list[int]] = []
+    for r in values:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b in runs) or MISSING
+
+
+def _items(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else []
+
+
+class _Fields:
+    """An event's fields as text in one markup; a missing or malformed field never raises."""
+
+    def __init__(self, event: Any, markup: Markup) -> None:
+        self.e: Mapping[str, Any] = event if isinstance(event, Mapping) else {}
+        self.mrkdwn = markup == "mrkdwn"
+
+    def get(self, key: str) -> Any:
+        """The field's raw value (None when missing)."""
+        return self.e.get(key)
+
+    def esc(self, text: str) -> str:
+        """``text`` escaped for the markup."""
+        return esc(text) if self.mrkdwn else text
+
+    def text(self, key: str) -> str:
+        """The field as text (``—`` when missing)."""
+        value = self.e.get(key)
+        return self.esc(MISSING if value is None else str(value))
+
+    def num(self, key: str, digits: int = 4) -> str:
+        """The field as a number (see :func:`num`)."""
+        return self.esc(num(self.e.get(key), digits))
+
+    def bold(self, rendered: str) -> str:
+        """Already rendered text, in bold."""
+        return f"*{rendered}*" if self.mrkdwn else rendered
+
+    def code(self, rendered: str) -> str:
+        """Already rendered text, as code."""
+        return f"`{rendered}`" if self.mrkdwn else rendered
+
+    @property
+    def reason(self) -> str:
+        """The event's prose reason, or ``""``."""
+        return self.esc(str(self.e.get("reason") or ""))
+
+    def because(self, line: str, why: str | None = None) -> str:
+        """``line: why`` (the event's reason by default); just ``line`` without one."""
+        why = self.reason if why is None else why
+        return f"{line}: {why}" if why else line
+
+    def where(self) -> str:
+        """``on rank 3, layer blocks.7.attn`` from the fields present (``""`` for neither)."""
+        parts = [f"rank {self.text('rank')}"] if self.get("rank") is not None else []
+        parts += [f"layer {self.text('layer')}"] if self.get("layer") is not None else []
+        return "on " + ", ".join(parts) if parts else ""
+
+    def measured(self) -> str:
+        """What the event's fields say was measured: ``attn_entropy_min = 0.15 on rank 3``."""
+        signal = self.get("signal")
+        what = f"{self.code(self.text('signal'))} = {self.num('value')}" if signal else ""
+        return " ".join(p for p in (what, self.where()) if p) or MISSING
+
+
+def _launch(f: _Fields) -> str:
+    return f"{f.bold('Launched')} generation {f.text('generation')}, LR scale {f.num('lr_scale')}"
+
+
+def _incident(f: _Fields) -> str:
+    attempt = f.get("attempt")
+    again = f" (attempt {attempt})" if isinstance(attempt, int) and attempt > 1 else ""
+    head = f.bold(f"{f.text('rule')} fired{again}")
+    line = f"{head} at step {f.num('step')} → {f.text('action')}"
+    return f.because(line, f.reason or f.measured())
+
+
+def _alert(f: _Fields) -> str:
+    severity = f.esc(str(f.get("severity") or "warn").upper())
+    rule = f" {f.text('rule')}" if f.get("rule") is not None else ""
+    line = f"{f.bold(severity + rule)} at step {f.num('step')}"
+    return f.because(line, f.reason or f.measured())
+
+
+def _kill(f: _Fields) -> str:
+    ranks = f.esc(ranks_text(f.get("ranks")))
+    return f"{f.bold('Killed')} ranks {ranks} in {f.num('duration_s', 2)} s"
+
+
+def _rollback(f: _Fields) -> str:
+    skipped = [
+        f"{f.code(f.esc(str(s.get('path'))))} ({f.esc(str(s.get('reason')))})"
+        for s in _items(f.get("skipped"))
+        if isinstance(s, Mapping)
+    ]
+    tail = f"; skipped: {'; '.join(skipped[:5])}" if skipped else ""
+    tail += f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+    for r in _items(f.get("skip_ranges"))[:3]:
+        if isinstance(r, (list, tuple)) and len(r) == 2:
+            tail += f"; data of steps {f.esc(num(r[0]))}–{f.esc(num(r[1]))} will be skipped"
+    if f.get("checkpoint_step") is None:
+        return f.because(f.bold("No checkpoint to roll back to")) + tail
+    path = f" {f.code(f.text('checkpoint_path'))}" if f.get("checkpoint_path") else ""
+    checkpoint = f"(checkpoint {grade_text(f.get('grade'))})"
+    return f"{f.bold('Rolled back')} to step {f.num('checkpoint_step')}{path} {checkpoint}{tail}"
+
+
+def _lr_cut(f: _Fields) -> str:
+    return f"{f.bold('LR cut')} ×{f.num('factor')}: LR scale now {f.num('lr_scale')}"
+
+
+def _optimizer_reset(f: _Fields) -> str:
+    return f"{f.bold('Optimizer reset')}: optimizer state cleared, weights kept"
+
+
+def _probation_start(f: _Fields) -> str:
+    return f"{f.bold('Probation')} from step {f.num('from_step')} until step {f.num('until_step')}"
+
+
+def _probation_progress(f: _Fields) -> str:
+    return f"{f.bold('Probation')} at step {f.num('step')} until step {f.num('until_step')}"
+
+
+def _probation_passed(f: _Fields) -> str:
+    if f.get("step") is None:
+        return f.because(f.bold("RESOLVED"))
+    return f"{f.bold('RESOLVED')}: probation passed at step {f.num('step')}"
+
+
+def _probation_failed(f: _Fields) -> str:
+    return f.because(f"{f.bold('Probation failed')} at step {f.num('step')}")
+
+
+def _completed(f: _Fields) -> str:
+    return f"{f.bold('Run completed')}, final loss {f.num('final_loss')}"
+
+
+def _failed(f: _Fields) -> str:
+    return f.because(f"{f.bold('Run FAILED')} (exit code {f.text('exit_code')})")
+
+
+def _launch_failed(f: _Fields) -> str:
+    return f.because(f.bold(f"Launch of generation {f.text('generation')} failed"))
+
+
+def _headline(words: str) -> Callable[[_Fields], str]:
+    """A kind whose line is a headline and the event's reason (``Run stopped: by user``)."""
+    return lambda f: f.because(f.bold(words))
+
+
+def _notify_thread(f: _Fields) -> str:
+    where = f"channel {f.text('channel')}, ts {f.text('ts')}"
+    return f"{f.bold('Slack thread')} of {f.text('incident')}: {where}"
+
+
+def _notify_undelivered(f: _Fields) -> str:
+    line = f"{f.bold('Slack message undelivered')} ({f.text('what')})"
+    return f.because(line, f.text("error"))
+
+
+TEMPLATES: dict[Kind, Callable[[_Fields], str]] = {
+    Kind.LAUNCH: _launch,
+    Kind.INCIDENT: _incident,
+    Kind.KILL: _kill,
+    Kind.ROLLBACK: _rollback,
+    Kind.LR_CUT: _lr_cut,
+    Kind.OPTIMIZER_RESET: _optimizer_reset,
+    Kind.PROBATION_START: _probation_start,
+    Kind.PROBATION_PROGRESS: _probation_progress,
+    Kind.PROBATION_PASSED: _probation_passed,
+    Kind.PROBATION_FAILED: _probation_failed,
+    Kind.ESCALATED: _headline("ESCALATED"),
+    Kind.COMPLETED: _completed,
+    Kind.FAILED: _failed,
+    Kind.STOPPED: _headline("Run stopped"),
+    Kind.LAUNCH_FAILED: _launch_failed,
+    Kind.RESUME: _headline("Supervisor restarted"),
+    Kind.ALERT: _alert,
+    Kind.SUPERVISOR_START: _headline("Supervisor started"),
+    Kind.REAPED: _headline("Killed leftover rank processes"),
+    Kind.NOTIFY_THREAD: _notify_thread,
+    Kind.NOTIFY_UNDELIVERED: _notify_undelivered,
+}
+"""The template of each kind (every :class:`~..events.Kind` has one)."""
+
+
+def describe(event: Mapping[str, Any], markup: Markup = "plain") -> str:
+    """One line describing a journal event, as plain text or as Slack mrkdwn.
+
+    An unknown kind reads ``kind: reason``; a malformed event still gets a line.
+    """
+    f = _Fields(event, markup)
+    kind = f.get("kind")
+    template = TEMPLATES.get(kind) if isinstance(kind, str) else None
+    if template is None:
+        return f.because(f.bold(f.esc(MISSING if kind is None else str(kind))))
+    return template(f)

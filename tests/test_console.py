@@ -1,0 +1,62 @@
+"""The console: the story as it is journaled, and the live view of what status.json holds."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+from spikeguard.supervisor import rundir
+from spikeguard.supervisor.events import STORY_KINDS
+from spikeguard.supervisor.notify.console import ConsoleNotifier, LiveView, render_status
+from spikeguard.supervisor.recovery_model import Phase
+
+DEMO = Path(__file__).parent / "data" / "demo_run" / "journal.jsonl"
+
+
+def test_console_prints_the_story_kinds_only():
+    events = [json.loads(line) for line in DEMO.read_text().splitlines() if line.strip()]
+    out = io.StringIO()
+    console = ConsoleNotifier(out)
+    for ev in events:
+        console.handle(ev)
+    for kind in ("notify_thread", "probation_progress", "supervisor_start"):
+        console.handle({"kind": kind, "mono": 1.0, "reason": "bookkeeping"})
+    lines = out.getvalue().splitlines()
+    assert len(lines) == len([e for e in events if e["kind"] in STORY_KINDS]) == 18
+    assert re.fullmatch(r"\[spikeguard +30\.2s\] entropy-collapse fired at step 775 → .*", lines[1])
+    assert "bookkeeping" not in out.getvalue()
+
+
+def controller() -> SimpleNamespace:
+    """The parts of a Controller that status.json is made of."""
+    state = SimpleNamespace(
+        phase=Phase.PROBATION,
+        generation=2,
+        lr_scale=0.5,
+        incident=SimpleNamespace(id="inc-001"),
+        probation_until=1400,
+        exit_code=None,
+        launch_failures=0,
+    )
+    rank = SimpleNamespace(
+        step=1210, loss=float("nan"), summary={"grade": 5, "attn_entropy_min": 1.25}, exit_code=None
+    )
+    collector = SimpleNamespace(ranks={0: rank}, dropped={}, rank_dropped=0)
+    return SimpleNamespace(state=state, collector=collector)
+
+
+def test_live_view_renders_what_status_json_holds():
+    out = io.StringIO()
+    view = LiveView(every_s=60.0, out=out)
+    view(controller())
+    view(controller())  # within every_s: nothing more
+    status = rundir.status_dict(controller())
+    assert out.getvalue() == render_status(status) + "\n"
+    assert out.getvalue() == (
+        "PROBATION    gen 2  LR x0.5  probation until step 1400  |  "
+        "r0: step 1210 S5 H_min 1.250 loss nan\n"
+    )
+    assert render_status(json.loads(json.dumps(status))) == out.getvalue().rstrip("\n")
