@@ -195,7 +195,8 @@ def summarize(policy: Policy, messages: list[dict], decisions: list[Decision]) -
     head = (
         f"policy {policy.name!r} over {len(messages)} messages ({len(ranks)} rank"
         f"{'s' if len(ranks) != 1 else ''}, generation{'s' if len(gens) != 1 else ''} "
-        f"{', '.join(map(str, gens)) or '-'}, steps {min(steps) if steps else '-'}..{max(steps) if steps else '-'})"
+        f"{', '.join(map(str, gens)) or '-'}, steps "
+        f"{min(steps) if steps else '-'}..{max(steps) if steps else '-'})"
     )
     if not decisions:
         return head + ": no decisions — the policy would have done nothing."

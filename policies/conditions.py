@@ -212,6 +212,12 @@ class Hang(_Leaf):
 
 
 class _Group(_Model):
+    """A list of conditions combined (``all:`` or ``any:``)."""
+
+    @property
+    def conditions(self) -> list[Any]:
+        raise NotImplementedError
+
     def leaves(self) -> list[_Leaf]:
         return [leaf for c in self.conditions for leaf in c.leaves()]
 
@@ -286,7 +292,7 @@ def _condition_input(v: Any) -> Any:
 def _condition_kind(v: Any) -> str | None:
     if isinstance(v, dict):
         return next((tag for tag, keys in _KIND_KEYS.items() if any(k in v for k in keys)), None)
-    return {
+    tags: dict[type, str] = {
         Threshold: ":threshold",
         Change: ":change",
         Trailing: ":trailing",
@@ -295,7 +301,8 @@ def _condition_kind(v: Any) -> str | None:
         Hang: ":hang",
         AllOf: ":all",
         AnyOf: ":any",
-    }.get(type(v))
+    }
+    return tags.get(type(v))
 
 
 _ConditionUnion = Annotated[

@@ -41,6 +41,7 @@ from typing import Any, Literal
 
 from spikeguard.workers.contract.signals import LAYER_SIGNALS
 
+from .conditions import Change, Trailing
 from .evaluate import Context, Hit, RankMessage, Series, evaluate, number
 from .schema import FractionOfRanks, Policy, RecoverySettings, Rule
 from .values import Duration
@@ -90,7 +91,9 @@ class _Instance:
 
 
 @dataclasses.dataclass
-class _Group:
+class _Firing:
+    """Whether a rule fires for one scope (a rank, or the ranks together), and on what."""
+
     firing: bool = False
     hit: Hit | None = None
     rank: int | None = None
@@ -135,10 +138,14 @@ class Engine:
         self._history: dict[str, int] = {}  # signal -> series length it needs
         for c in self.rules:
             for leaf in c.rule.when.leaves():
-                size = getattr(leaf, "window", None) or getattr(leaf, "within", None)
-                if size is not None:
-                    need = int(size.value) + 2
-                    self._history[leaf.signal] = max(self._history.get(leaf.signal, 0), need)
+                if isinstance(leaf, Trailing):
+                    size = leaf.window
+                elif isinstance(leaf, Change):
+                    size = leaf.within
+                else:
+                    continue
+                need = int(size.value) + 2
+                self._history[leaf.signal] = max(self._history.get(leaf.signal, 0), need)
         self._fired: dict[
             int, tuple[int, float]
         ] = {}  # rule -> (step clock, at) of the last firing
@@ -149,7 +156,7 @@ class Engine:
     def _reset_generation(self) -> None:
         self._series: dict[tuple, Series] = {}
         self._instances: dict[tuple[int, int], dict[str | None, _Instance]] = {}
-        self._groups: dict[tuple[int, int | None], _Group] = {}
+        self._groups: dict[tuple[int, int | None], _Firing] = {}
         self._ranks: set[int] = set()
         self._world_size = 0
         self._max_step: int | None = None
@@ -285,7 +292,7 @@ class Engine:
     def _update(
         self, c: _Compiled, m: RankMessage, key: tuple, hit: Hit | None, rank: int | None, who: str
     ) -> list[Decision]:
-        group = self._groups.setdefault(key, _Group())
+        group = self._groups.setdefault(key, _Firing())
         rule = c.rule
         if hit is not None and not group.firing:
             if self._cooling(c, m):

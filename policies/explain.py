@@ -148,7 +148,8 @@ def explain_rule(rule: Rule, policy: Policy, index: int) -> list[str]:
 def explain_recovery(rs: RecoverySettings) -> str:
     factors = ", ".join(f"{f:g}" for f in rs.lr_factors)
     parts = [
-        f"kill the ranks and roll back to the newest checkpoint graded {format_grade(rs.min_grade)} or better"
+        "kill the ranks and roll back to the newest checkpoint graded "
+        f"{format_grade(rs.min_grade)} or better"
         + (
             f" and at least {rs.min_steps_back} steps before the incident"
             if rs.min_steps_back

@@ -24,7 +24,7 @@ Examples: ``grade < S3``, ``attn_entropy_min_norm < 0.5 * median(20)``,
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 from spikeguard.workers.contract.signals import LAYER_SIGNALS
 
@@ -65,7 +65,7 @@ def _lex(text: str) -> list[_Tok]:
     return toks
 
 
-def _error(text: str, pos: int, msg: str) -> None:
+def _error(text: str, pos: int, msg: str) -> NoReturn:
     fail(f"cannot parse condition {text!r} at column {pos + 1}: {msg}", ("<offset>", pos))
 
 

@@ -149,8 +149,8 @@ class _Positions:
                 format_path(path),
             )
         if isinstance(node, yaml.ScalarNode):
-            what = self.secrets and secret_value(node.value)
-            if what:
+            what = secret_value(node.value) if self.secrets else None
+            if self.secrets and what:
                 finding = Finding(path, in_key=False, what=what)
                 raise _fail(
                     self.file, node.start_mark, finding.message(self.secrets), format_path(path)
@@ -240,7 +240,7 @@ def _display_path(loc: tuple) -> str:
     return format_path(tuple(parts))
 
 
-def _message(err: dict) -> str:
+def _message(err: Any) -> str:
     kind, msg, value = err["type"], err["msg"], err.get("input")
     if kind == "policy":
         return err["ctx"]["msg"]
@@ -333,6 +333,7 @@ def _from_validation(
             offset
             and isinstance(node, yaml.ScalarNode)
             and col is not None
+            and mark is not None
             and mark.line == node.end_mark.line
         ):
             col += offset + (1 if node.style in ("'", '"') else 0)

@@ -8,9 +8,8 @@ models live in :mod:`.conditions`.
 from __future__ import annotations
 
 import math
-import os
 import re
-from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -163,6 +162,12 @@ OnExhausted = Annotated[
 ]
 
 
+def lr_factor_for(factors: Sequence[float], attempt: int) -> float:
+    """The LR factor of the ``attempt``-th recovery (0-based): ``factors[attempt]``, the last one
+    repeating."""
+    return factors[min(attempt, len(factors) - 1)]
+
+
 class RecoverySettings(_Model):
     """What a ``recover`` decision does: kill, roll back, cut the LR, reset, probation, resume."""
 
@@ -192,15 +197,11 @@ class RecoverySettings(_Model):
 
     def lr_factor(self, attempt: int) -> float:
         """The factor of attempt ``attempt`` (0-based)."""
-        return self.lr_factors[min(attempt, len(self.lr_factors) - 1)]
+        return lr_factor_for(self.lr_factors, attempt)
 
     def lr_scale(self, attempts: int) -> float:
         """The compounded LR scale after ``attempts`` recoveries (1.0 after none)."""
         return math.prod(self.lr_factor(i) for i in range(attempts))
-
-    def exhausted(self, attempts: int) -> bool:
-        """Whether ``attempts`` recoveries have spent the budget."""
-        return attempts >= self.max_attempts
 
 
 class RecoveryOverrides(_Model):
@@ -358,9 +359,6 @@ class SlackTarget(_Model):
     """Link to the runbook, added to every message."""
     dashboard_url: Url = None
     """Link to the dashboard, added to every message."""
-
-    def resolved_channel(self, environ: Mapping[str, str] = os.environ) -> str | None:
-        return self.channel or environ.get("SPIKEGUARD_SLACK_CHANNEL") or None
 
 
 class Routes(_Model):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from spikeguard.supervisor import rundir
 from spikeguard.supervisor.events import STORY_KINDS
 from spikeguard.supervisor.notify.console import ConsoleNotifier, LiveView, render_status
-from spikeguard.supervisor.recovery_model import Phase
+from spikeguard.supervisor.recovery import Phase
 
 DEMO = Path(__file__).parent / "data" / "demo_run" / "journal.jsonl"
 
@@ -26,7 +26,11 @@ def test_console_prints_the_story_kinds_only():
         console.handle({"kind": kind, "mono": 1.0, "reason": "bookkeeping"})
     lines = out.getvalue().splitlines()
     assert len(lines) == len([e for e in events if e["kind"] in STORY_KINDS]) == 18
-    assert re.fullmatch(r"\[spikeguard +30\.2s\] entropy-collapse fired at step 775 → .*", lines[1])
+    incident = next(e for e in events if e["kind"] == "incident")
+    when = re.escape(f"{incident['mono']:.1f}s")
+    assert re.fullmatch(
+        rf"\[spikeguard +{when}\] entropy-collapse fired at step 775 → .*", lines[1]
+    )
     assert "bookkeeping" not in out.getvalue()
 
 

@@ -39,7 +39,8 @@ def test_policy_signals_are_the_worker_contract():
 def test_policies_import_neither_ray_nor_torch_nor_the_supervisor():
     # from the workers, only their torch-free contract (the shared vocabulary) may be imported
     code = (
-        "import sys, spikeguard.policies, spikeguard.policies.commands, spikeguard.policies.testing; "
+        "import sys, spikeguard.policies, spikeguard.policies.commands, "
+        "spikeguard.policies.testing; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('ray', 'torch') "
         "or m.startswith('spikeguard.supervisor') or (m.startswith('spikeguard.workers') "
         "and m != 'spikeguard.workers' and not m.startswith('spikeguard.workers.contract'))]; "

@@ -21,7 +21,8 @@ from spikeguard.policies.testing import exit_, heartbeat, hello, report
 ROOT = Path(__file__).resolve().parents[1]
 CLI = (
     "import argparse, sys; from spikeguard.policies.commands import register; "
-    "p = argparse.ArgumentParser(prog='spikeguard'); s = p.add_subparsers(dest='cmd'); register(s); "
+    "p = argparse.ArgumentParser(prog='spikeguard'); s = p.add_subparsers(dest='cmd'); "
+    "register(s); "
     "a = p.parse_args(sys.argv[1:]); raise SystemExit(a.func(a))"
 )
 
@@ -50,8 +51,10 @@ def run_in_process(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_the_documented_one_liner_works():
     snippet = (
-        "import argparse; from spikeguard.policies.commands import register; p=argparse.ArgumentParser(); "
-        's=p.add_subparsers(dest="cmd"); register(s); a=p.parse_args(["policy","check","policies/default.yaml"]); '
+        "import argparse; from spikeguard.policies.commands import register; "
+        "p=argparse.ArgumentParser(); "
+        's=p.add_subparsers(dest="cmd"); register(s); '
+        'a=p.parse_args(["policy","check","policies/default.yaml"]); '
         "raise SystemExit(a.func(a))"
     )
     res = subprocess.run(

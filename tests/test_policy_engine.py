@@ -312,7 +312,10 @@ version: 1
 name: t
 recovery: {lr_factors: [0.5, 0.25], max_attempts: 4}
 rules:
-  - {name: a, when: loss is nonfinite, action: recover, recovery: {lr_factors: [0.1], skip_window: 20 steps}}
+  - name: a
+    when: loss is nonfinite
+    action: recover
+    recovery: {lr_factors: [0.1], skip_window: 20 steps}
   - {name: b, when: crash, action: recover}
 """)
     out = run(pol, [heartbeat(0, 1, loss=math.nan), exit_(0, 2)])
@@ -343,8 +346,8 @@ def test_malformed_messages_are_ignored_not_fatal():
         assert engine.observe(junk) == []  # type: ignore[arg-type]
 
 
-def test_budget_helpers_compound_and_exhaust():
+def test_lr_factors_compound_and_the_last_one_repeats():
+    # (when the budget is spent is the recovery machine's: tests/test_recovery.py)
     rs = RecoverySettings(lr_factors=[0.5, 0.3], max_attempts=3)
     assert [rs.lr_factor(i) for i in range(4)] == [0.5, 0.3, 0.3, 0.3]
     assert rs.lr_scale(0) == 1.0 and rs.lr_scale(3) == pytest.approx(0.5 * 0.3 * 0.3)
-    assert not rs.exhausted(2) and rs.exhausted(3)

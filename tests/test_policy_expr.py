@@ -118,7 +118,10 @@ def test_parse_errors(text, message):
 
 
 def test_parse_errors_in_a_file_point_into_the_string():
-    text = "version: 1\nname: t\nrules:\n  - name: r\n    when: grade < S3 or lossy > 2 )\n    action: recover\n"
+    text = (
+        "version: 1\nname: t\nrules:\n  - name: r\n    when: grade < S3 or lossy > 2 )\n"
+        "    action: recover\n"
+    )
     with pytest.raises(PolicyError) as info:
         load_policy_text(text, "p.yaml")
     # the scalar starts at column 11; ')' is at offset 24 of the string
@@ -129,7 +132,10 @@ def test_parse_errors_in_a_file_point_into_the_string():
 
 
 def test_signals_in_compact_form_are_validated_like_any_other():
-    text = "version: 1\nname: t\nrules:\n  - name: r\n    when: gradnorm is nonfinite\n    action: recover\n"
+    text = (
+        "version: 1\nname: t\nrules:\n  - name: r\n    when: gradnorm is nonfinite\n"
+        "    action: recover\n"
+    )
     with pytest.raises(
         PolicyError,
         match=r"p.yaml:5:11: rules\[0\].when.signal: unknown signal 'gradnorm' "

@@ -48,7 +48,8 @@ MALFORMED = [
     (
         "exponent-float",
         "version: 1\nname: a\nrecovery:\n  lr_factors: [1e-3, 1e1]  #<\n" + RULE,
-        "recovery.lr_factors[1]: each LR factor must be in (0, 1] (it multiplies the learning rate), got 10",
+        "recovery.lr_factors[1]: each LR factor must be in (0, 1] (it multiplies the learning "
+        "rate), got 10",
     ),
     (
         "python-tag",
@@ -87,7 +88,8 @@ MALFORMED = [
     (
         "slack-token-key",
         "version: 1\nname: a\nnotify:\n  slack:\n    token: abc  #<\n" + RULE,
-        "notify.slack.token: key 'token' looks like a secret: secrets never go in a policy file: set SLACK_BOT_TOKEN",
+        "notify.slack.token: key 'token' looks like a secret: secrets never go in a policy file: "
+        "set SLACK_BOT_TOKEN",
     ),
     (
         "slack-token-value",
@@ -96,9 +98,10 @@ MALFORMED = [
     ),
     (
         "webhook-url",
-        "version: 1\nname: a\nnotify:\n  slack:\n    runbook_url: https://hooks.slack.com/services/T/B/X  #<\n"
-        + RULE,
-        "looks like a Slack webhook URL: secrets never go in a policy file: set SLACK_BOT_TOKEN (bot token) "
+        "version: 1\nname: a\nnotify:\n  slack:\n"
+        "    runbook_url: https://hooks.slack.com/services/T/B/X  #<\n" + RULE,
+        "looks like a Slack webhook URL: secrets never go in a policy file: set SLACK_BOT_TOKEN "
+        "(bot token) "
         "or SPIKEGUARD_SLACK_WEBHOOK_URL",
     ),
     (
@@ -152,13 +155,15 @@ MALFORMED = [
     ),
     (
         "bad-scope-key",
-        "version: 1\nname: a\nrules:\n  - name: r\n    when: grade < S3\n    ranks: {fracton: 0.5}  #<\n"
+        "version: 1\nname: a\nrules:\n  - name: r\n    when: grade < S3\n"
+        "    ranks: {fracton: 0.5}  #<\n"
         "    action: notify\n",
         "unknown rank scope 'fracton' (did you mean 'fraction'?)",
     ),
     (
         "fraction-above-1",
-        "version: 1\nname: a\nrules:\n  - name: r\n    when: grade < S3\n    ranks: {fraction: 1.5}  #<\n"
+        "version: 1\nname: a\nrules:\n  - name: r\n    when: grade < S3\n"
+        "    ranks: {fraction: 1.5}  #<\n"
         "    action: notify\n",
         "rules[0].ranks.fraction: must be less than or equal to 1, got 1.5",
     ),
@@ -181,7 +186,8 @@ MALFORMED = [
     ),
     (
         "condition-two-kinds",
-        "version: 1\nname: a\nrules:\n  - name: r\n    when: {signal: grade, below: S3, drops_by: 2}  #<\n"
+        "version: 1\nname: a\nrules:\n  - name: r\n"
+        "    when: {signal: grade, below: S3, drops_by: 2}  #<\n"
         "    action: notify\n",
         "a condition tests one thing, found 'below' and 'drops_by'",
     ),
@@ -192,7 +198,8 @@ MALFORMED = [
     ),
     (
         "never-together",
-        "version: 1\nname: a\nrules:\n  - name: r\n    when: crash and loss > 3  #<\n    action: notify\n",
+        "version: 1\nname: a\nrules:\n  - name: r\n    when: crash and loss > 3  #<\n"
+        "    action: notify\n",
         "these conditions never arrive together",
     ),
     (
@@ -264,7 +271,10 @@ def test_table_is_large_enough():
 
 
 def test_columns_point_at_the_offending_token():
-    text = "version: 1\nname: a\nrules:\n  - name: r\n    when: 'grade < S3 andd loss > 2'\n    action: notify\n"
+    text = (
+        "version: 1\nname: a\nrules:\n  - name: r\n    when: 'grade < S3 andd loss > 2'\n"
+        "    action: notify\n"
+    )
     with pytest.raises(PolicyError) as info:
         load_policy_text(text, "p.yaml")
     # the quote is at column 11; 'andd' starts at offset 11 inside the string

@@ -1,6 +1,7 @@
 """`policy replay` of the default policy over a recorded supervised demo run names the steps the
 live supervisor acted on (tests/data/demo_run: reports.jsonl and journal.jsonl of
-`spikeguard demo`, 2 ranks, recorded 2026-11-30). Re-record both if the default policy changes."""
+`spikeguard demo`, 2 ranks, recorded as tests/data/README.md says). Re-record both if the
+default policy changes."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ import hashlib
 import json
 from typing import Any, Literal
 
+from spikeguard.policies.schema import lr_factor_for
 from spikeguard.workers.contract.plan import ResumePlan
 
 EVENT_ONLY = {"journal": False}
@@ -386,8 +387,7 @@ class Transition:
 # ---- small pure helpers ------------------------------------------------------------------------
 def lr_factor(settings: Settings, attempt: int) -> float:
     """The factor for the ``attempt``-th recovery (0-based); the last factor repeats."""
-    f = settings.lr_factors
-    return f[min(attempt, len(f) - 1)]
+    return lr_factor_for(settings.lr_factors, attempt)
 
 
 def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
