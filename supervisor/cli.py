@@ -46,25 +46,35 @@ def _submit(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from .journal import read_events
     from .notify.console import render_status
+    from .status import journal_view
 
-    path = Path(args.run_dir) / "status.json"
-    if not path.exists():
-        print(f"spikeguard: no run in {args.run_dir} (no status.json)", file=sys.stderr)
+    run = Path(args.run_dir)
+    if not (run / "journal.jsonl").exists():
+        print(f"spikeguard: no run in {args.run_dir} (no journal.jsonl)", file=sys.stderr)
         return ExitCode.BAD_INPUT
-    status = json.loads(path.read_text())
+    # the run as the journal says (true also when its supervisor is dead); the ranks as the
+    # live supervisor last wrote them
+    status = journal_view(read_events(run))
+    live: dict[str, Any] = {}
+    try:
+        live = json.loads((run / "status.json").read_text())
+    except (OSError, ValueError):
+        pass
+    for key in ("ranks", "dropped", "rank_dropped", "updated"):
+        if key in live:
+            status[key] = live[key]
     if args.json:
         print(json.dumps(status))
-        return 0
+        return ExitCode.OK
     print(render_status(status))
-    events = read_events(args.run_dir)
-    incidents = [e for e in events if e["kind"] == "incident"]
+    last = status["last_event"]
     print(
-        f"{len(events)} events, {len(incidents)} incident(s); last: "
-        + (f"{events[-1]['kind']} — {events[-1].get('reason', '')}" if events else "none")
+        f"{status['events']} events, {status['incidents']} incident(s); last: "
+        + (f"{last['kind']} — {last.get('reason') or ''}" if last else "none")
     )
     if status.get("dropped"):
         print(f"dropped reports: {status['dropped']}")
-    return 0
+    return ExitCode.OK
 
 
 def _events(args: argparse.Namespace) -> int:

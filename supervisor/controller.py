@@ -30,6 +30,7 @@ from .events import Kind
 from .journal import Journal
 from .launch import reaper
 from .launch.types import Group, LaunchError
+from .status import live_status
 
 
 class Notifier(Protocol):
@@ -356,7 +357,7 @@ class Controller:
                 print(f"spikeguard: notifier {type(n).__name__} failed: {e}")
 
     def _write_status(self) -> None:
-        rundir.write_status(self.run_dir, rundir.status_dict(self))
+        rundir.write_status(self.run_dir, live_status(self.state, self.collector))
 
     def close(self) -> None:
         self._reports.close()

@@ -85,36 +85,5 @@ def acquire_lock(run_dir: Path) -> IO[str]:
     return f
 
 
-def status_dict(ctl: Any) -> dict[str, Any]:
-    from .collector import is_finite
-
-    def j(x: Any) -> Any:
-        return str(x) if isinstance(x, float) and not is_finite(x) else x
-
-    st, c = ctl.state, ctl.collector
-    return {
-        "phase": st.phase.value,
-        "generation": st.generation,
-        "lr_scale": st.lr_scale,
-        "incident": st.incident.id if st.incident else None,
-        "probation_until": st.probation_until,
-        "exit_code": st.exit_code,
-        "launch_failures": st.launch_failures,
-        "dropped": dict(c.dropped),
-        "rank_dropped": c.rank_dropped,
-        "ranks": {
-            r: {
-                "step": v.step,
-                "loss": j(v.loss),
-                "grade": v.summary.get("grade"),
-                "attn_entropy_min": j(v.summary.get("attn_entropy_min")),
-                "exit_code": v.exit_code,
-            }
-            for r, v in c.ranks.items()
-        },
-        "updated": time.time(),
-    }  # wall clock: for humans only, never for a timeout
-
-
 def write_status(run_dir: Path, data: dict[str, Any]) -> None:
     write_atomic(run_dir / "status.json", json.dumps(data))

@@ -8,10 +8,11 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
-from spikeguard.supervisor import rundir
+from spikeguard.supervisor import recovery as rc
+from spikeguard.supervisor.collector import Collector
 from spikeguard.supervisor.events import STORY_KINDS
 from spikeguard.supervisor.notify.console import ConsoleNotifier, LiveView, render_status
-from spikeguard.supervisor.recovery import Phase
+from spikeguard.supervisor.status import live_status
 
 DEMO = Path(__file__).parent / "data" / "demo_run" / "journal.jsonl"
 
@@ -35,20 +36,19 @@ def test_console_prints_the_story_kinds_only():
 
 
 def controller() -> SimpleNamespace:
-    """The parts of a Controller that status.json is made of."""
-    state = SimpleNamespace(
-        phase=Phase.PROBATION,
+    """A machine state and a collector as a controller holds them in probation."""
+    state = rc.State(
+        phase=rc.Phase.PROBATION,
         generation=2,
         lr_scale=0.5,
-        incident=SimpleNamespace(id="inc-001"),
+        incident=rc.Incident(id="inc-001", rule="r", reason="x", step=900, settings=rc.Settings()),
         probation_until=1400,
-        exit_code=None,
-        launch_failures=0,
     )
-    rank = SimpleNamespace(
-        step=1210, loss=float("nan"), summary={"grade": 5, "attn_entropy_min": 1.25}, exit_code=None
-    )
-    collector = SimpleNamespace(ranks={0: rank}, dropped={}, rank_dropped=0)
+    collector = Collector(world_size=1, hang_timeout_s=60, first_heartbeat_timeout_s=300)
+    collector.new_generation(2, now=0.0)
+    rank = collector.ranks[0]
+    rank.step, rank.loss = 1210, float("nan")
+    rank.summary = {"grade": 5, "attn_entropy_min": 1.25, "attn_entropy_min_norm": 0.3125}
     return SimpleNamespace(state=state, collector=collector)
 
 
@@ -57,10 +57,11 @@ def test_live_view_renders_what_status_json_holds():
     view = LiveView(every_s=60.0, out=out)
     view(controller())
     view(controller())  # within every_s: nothing more
-    status = rundir.status_dict(controller())
+    ctl = controller()
+    status = live_status(ctl.state, ctl.collector)
     assert out.getvalue() == render_status(status) + "\n"
     assert out.getvalue() == (
         "PROBATION    gen 2  LR x0.5  probation until step 1400  |  "
-        "r0: step 1210 S5 H_min 1.250 loss nan\n"
+        "r0: step 1210 S5 H_min/max 0.312 loss nan\n"
     )
     assert render_status(json.loads(json.dumps(status))) == out.getvalue().rstrip("\n")

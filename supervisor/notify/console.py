@@ -2,7 +2,7 @@
 
 :class:`ConsoleNotifier` prints one line per story event (:data:`~..events.STORY_KINDS`) with
 :func:`.describe.describe`; :class:`LiveView` and ``spikeguard status`` print
-:func:`render_status` of the status dict (``status.json``, :func:`..rundir.status_dict`).
+:func:`render_status` of the status dict (``status.json``, :func:`..status.live_status`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, TextIO
 
 from spikeguard.workers.contract.signals import grade_text
 
-from .. import rundir
 from ..events import STORY_KINDS
+from ..status import live_status
 from .describe import describe
 
 
@@ -44,7 +44,7 @@ class LiveView:
         if now - self._last < self.every_s:
             return
         self._last = now
-        print(render_status(rundir.status_dict(ctl)), file=self.out, flush=True)
+        print(render_status(live_status(ctl.state, ctl.collector)), file=self.out, flush=True)
 
 
 def render_status(s: dict[str, Any]) -> str:
@@ -54,8 +54,10 @@ def render_status(s: dict[str, Any]) -> str:
         head += f"  probation until step {s['probation_until']}"
     parts = []
     for r, v in sorted(s.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
-        grade, ent, loss = grade_text(v.get("grade")), v.get("attn_entropy_min"), v.get("loss")
-        parts.append(f"r{r}: step {v.get('step')} {grade} H_min {_f(ent)} loss {_f(loss)}")
+        grade, loss = grade_text(v.get("grade")), v.get("loss")
+        # the normalised entropy (0..1): what the policies compare, not nats
+        ent = v.get("attn_entropy_min_norm")
+        parts.append(f"r{r}: step {v.get('step')} {grade} H_min/max {_f(ent)} loss {_f(loss)}")
     return head + ("  |  " + "  |  ".join(parts) if parts else "")
 
 
