@@ -3,10 +3,10 @@ the notifiers and the controller. The thin layer under ``spikeguard submit``."""
 
 from __future__ import annotations
 
-import os
 import signal
 from typing import Any
 
+from spikeguard.workers import contract
 from spikeguard.workers.contract.exitcodes import ExitCode
 
 from . import recovery as rc
@@ -21,38 +21,27 @@ from .notify.console import ConsoleNotifier, LiveView
 
 
 def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> list[Any]:
-    notifiers: list[Any] = [ConsoleNotifier()]
-    slack_cfg = job.notify.slack
-    pol_slack = getattr(getattr(policy, "notify", None), "slack", None)
-    channel = (
-        (slack_cfg.channel if slack_cfg else None)
-        or getattr(pol_slack, "channel", None)
-        or os.environ.get("SPIKEGUARD_SLACK_CHANNEL")
-    )
-    if not channel and not os.environ.get("SPIKEGUARD_SLACK_WEBHOOK_URL"):
-        return notifiers
-    if not (os.environ.get("SLACK_BOT_TOKEN") or os.environ.get("SPIKEGUARD_SLACK_WEBHOOK_URL")):
-        print(
-            "spikeguard: Slack is configured but neither SLACK_BOT_TOKEN nor "
-            "SPIKEGUARD_SLACK_WEBHOOK_URL is set; notifying on the console only"
-        )
-        return notifiers
+    """The console, and Slack when a channel or a webhook is configured (the job file's
+    notify.slack first, then the policy's, then the environment; secrets only from the latter)."""
     from .notify.slack import SlackNotifier, SlackSettings
 
+    notifiers: list[Any] = [ConsoleNotifier()]
+    job_slack, pol_slack = job.notify.slack, policy.notify.slack
     settings = SlackSettings.from_env(
-        channel=(
-            slack_cfg.channel
-            if slack_cfg and slack_cfg.channel
-            else getattr(pol_slack, "channel", None)
-        ),
-        mention=(
-            slack_cfg.mention
-            if slack_cfg and slack_cfg.mention
-            else getattr(pol_slack, "mention", None)
-        ),
-        runbook_url=getattr(pol_slack, "runbook_url", None),
-        dashboard_url=getattr(pol_slack, "dashboard_url", None),
+        channel=(job_slack.channel if job_slack else None) or pol_slack.channel,
+        mention=(job_slack.mention if job_slack else None) or pol_slack.mention,
+        runbook_url=pol_slack.runbook_url,
+        dashboard_url=pol_slack.dashboard_url,
     )
+    if not settings.channel and not settings.webhook_url:
+        return notifiers  # Slack is not wanted
+    if settings.problems():
+        print(
+            "spikeguard: Slack is configured but not usable ("
+            + "; ".join(settings.problems())
+            + "); notifying on the console only"
+        )
+        return notifiers
     notifiers.append(SlackNotifier(settings, run=run_id, journal=journal_fn))
     return notifiers
 
@@ -120,11 +109,11 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         run_dir=str(run_dir),
     )
     env = {k: str(v) for k, v in job.env.items()}
-    env["SPIKEGUARD_BACKEND"] = job.resolved_backend()
+    env[contract.ENV_BACKEND] = job.resolved_backend()
     if job.checkpoint_every:
-        env["SPIKEGUARD_CKPT_EVERY"] = str(job.checkpoint_every)
+        env[contract.ENV_CKPT_EVERY] = str(job.checkpoint_every)
     if job.sample_every:
-        env["SPIKEGUARD_SAMPLE_EVERY"] = str(job.sample_every)
+        env[contract.ENV_SAMPLE_EVERY] = str(job.sample_every)
     ctl: Controller | None = None
     old_term = signal.getsignal(signal.SIGTERM)
     try:  # the first launch places the gang (a placement failure is a launch failure, retried)

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any
 
+from spikeguard.workers import contract
+
 from .types import LaunchedRank, NodeInfo, RankKill, RankPoll
 
 MAX_BUFFERED_LINES = 20000
@@ -126,7 +128,7 @@ class RankAgent:
             self._last_rx = time.monotonic()
         full_env = dict(os.environ)
         full_env.update(env)
-        full_env["SPIKEGUARD_REPORT"] = f"unix://{sock}"
+        full_env[contract.ENV_REPORT] = f"unix://{sock}"
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         if self._log is not None:

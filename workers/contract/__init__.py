@@ -11,7 +11,9 @@ head node without torch.
 """
 
 from .env import (
+    ENV_BACKEND,
     ENV_CKPT_DIR,
+    ENV_CKPT_EVERY,
     ENV_FENCE_FILE,
     ENV_GENERATION,
     ENV_REPORT,
@@ -38,7 +40,9 @@ from .signals import (
 
 __all__ = [
     "AGGREGATE",
+    "ENV_BACKEND",
     "ENV_CKPT_DIR",
+    "ENV_CKPT_EVERY",
     "ENV_FENCE_FILE",
     "ENV_GENERATION",
     "ENV_REPORT",

@@ -33,6 +33,13 @@ launch. Unset: a fresh start."""
 ENV_SAMPLE_EVERY = "SPIKEGUARD_SAMPLE_EVERY"
 """Overrides the sampling interval (steps) of ``attach``."""
 
+ENV_BACKEND = "SPIKEGUARD_BACKEND"
+"""The torch.distributed backend the job asks for: ``gloo`` or ``nccl`` (the job's ``backend``,
+``auto`` resolved by whether it reserves GPUs)."""
+
+ENV_CKPT_EVERY = "SPIKEGUARD_CKPT_EVERY"
+"""The job's checkpoint interval hint (steps), for scripts that read it."""
+
 ENV_FENCE_FILE = "SPIKEGUARD_FENCE_FILE"
 """Path of a small file holding the current generation. A rank whose own generation is older
 refuses to write checkpoints (a frozen node that wakes up after it was replaced must not
