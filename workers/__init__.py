@@ -8,10 +8,8 @@ torch-free (the supervisor imports the contract on a head node without torch).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from .contract import ResumePlan, format_grade, grade_of, parse_grade
+from .lazy import lazy_attributes
 
 _LAZY = {
     "attach": "session",
@@ -37,15 +35,4 @@ __all__ = [
     "parse_grade",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

@@ -195,16 +195,7 @@ def step1_incident(state: State, obs: Recover) -> Transition:
     state = _replace(state, incidents_seen=n)
     settings = inc.settings
     if n > settings.max_incidents or settings.max_attempts < 1:
-        opened = _ev(
-            Kind.INCIDENT,
-            Reason.RULE_FIRED,
-            obs.reason,
-            inc,
-            rule=obs.rule,
-            step=obs.step,
-            settings=settings.to_dict(),
-            **obs.details,
-        )
+        opened = _incident_event(inc, obs, attempt=None)
         if n > settings.max_incidents:
             why = (
                 f"this run has had {n} incidents, more than max_incidents "
@@ -216,21 +207,26 @@ def step1_incident(state: State, obs: Recover) -> Transition:
     return _kill_for(state, inc, obs, [])
 
 
+def _incident_event(inc: Incident, obs: Recover, attempt: int | None) -> Event:
+    """The ``incident`` event: the rule that fired, with what it saw (``attempt`` None: the
+    incident escalates before any attempt)."""
+    numbered = {} if attempt is None else {"attempt": attempt}
+    return _ev(
+        Kind.INCIDENT,
+        Reason.RULE_FIRED,
+        obs.reason,
+        inc,
+        rule=obs.rule,
+        step=obs.step,
+        **numbered,
+        settings=inc.settings.to_dict(),
+        **obs.details,
+    )
+
+
 def _kill_for(state: State, inc: Incident, obs: Recover, events: list[Event]) -> Transition:
     """Journal the incident (attempt ``inc.attempts + 1``) and ask for every rank to be killed."""
-    events.append(
-        _ev(
-            Kind.INCIDENT,
-            Reason.RULE_FIRED,
-            obs.reason,
-            inc,
-            rule=obs.rule,
-            step=obs.step,
-            attempt=inc.attempts + 1,
-            settings=inc.settings.to_dict(),
-            **obs.details,
-        )
-    )
+    events.append(_incident_event(inc, obs, attempt=inc.attempts + 1))
     st = _replace(state, phase=Phase.KILLING, incident=inc)
     return Transition(st, (Kill(f"incident {inc.id}: {obs.rule}"),), tuple(events))
 

@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import typing
 from typing import Any, Literal
 
 from spikeguard.policies.schema import lr_factor_for
@@ -316,23 +317,8 @@ Observation = (
     | StopRequested
     | Restarted
 )
-OBSERVATIONS: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (
-        Start,
-        Launched,
-        LaunchFailed,
-        RankExited,
-        Recover,
-        Notify,
-        Killed,
-        CheckpointChosen,
-        Progress,
-        Finished,
-        StopRequested,
-        Restarted,
-    )
-}
+OBSERVATIONS: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Observation)}
+"""Every observation type by name (how the journal names them)."""
 
 
 # ---- effects (outputs) -------------------------------------------------------------------------

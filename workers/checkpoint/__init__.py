@@ -14,9 +14,7 @@ lists, verifies and chooses checkpoints on a head node without it. :func:`write_
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from ..lazy import lazy_attributes
 from .format import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_FORMAT_VERSION,
@@ -59,15 +57,4 @@ __all__ = [
     "write_checkpoint",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
