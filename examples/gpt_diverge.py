@@ -166,6 +166,9 @@ class NullSession:
     def should_skip(self, step: int) -> bool:
         return False
 
+    def should_checkpoint(self, step: int, every: int | None = None) -> bool:
+        return False
+
     def step(self, **kw) -> None:
         pass
 
@@ -278,7 +281,7 @@ def train(args: argparse.Namespace, on_step=None) -> dict:
             local_loss = float(loss.detach())
             sg.step(step=step, loss=local_loss, grad_norm=gn, lr=lr, batch_ids=ids)
             last = step
-            if ckpt_every and step % ckpt_every == 0 and step > 0 and rank == 0:
+            if sg.should_checkpoint(step, every=ckpt_every) and rank == 0:
                 sg.save_checkpoint(
                     {
                         "model": model.state_dict(),

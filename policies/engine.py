@@ -69,6 +69,8 @@ class Decision:
     """The effective recovery settings (the rule's overrides applied)."""
     resolved: bool = False
     """True for the 'no longer holds' message of a notify rule (policy notify.send_resolved)."""
+    repeated: bool = False
+    """True for the reminder that a notify rule still holds (policy notify.repeat_interval)."""
     at: float | None = None
     """The message time (supervisor seconds) the decision was made at."""
 
@@ -97,6 +99,8 @@ class _Firing:
     firing: bool = False
     hit: Hit | None = None
     rank: int | None = None
+    notified_at: float = 0.0
+    """When a notify rule last told anyone that it holds (for notify.repeat_interval)."""
 
 
 class _Compiled:
@@ -298,11 +302,23 @@ class Engine:
             if self._cooling(c, m):
                 return []
             group.firing, group.hit, group.rank = True, hit, rank
+            group.notified_at = m.at
             self._fired[c.index] = (self._progress, m.at)
             where = f"rank {rank}" + (f" layer {hit.layer}" if hit.layer else "")
             held = f" (held for {rule.for_})" if rule.for_ is not None else ""
             reason = f"{who}{where}: {hit.text}{held}"
             return [self._decision(c, m, reason, key[1], hit.layer, hit.signal, hit.value)]
+        repeat = self.policy.notify.repeat_interval
+        reminder_due = repeat is not None and m.at - group.notified_at >= repeat.value
+        if hit is not None and rule.action == "notify" and reminder_due:  # still holding
+            group.notified_at = m.at
+            where = f"rank {group.rank}" + (f" layer {hit.layer}" if hit.layer else "")
+            reason = f"still holding ({repeat} after the last notification): {where}: {hit.text}"
+            return [
+                self._decision(
+                    c, m, reason, key[1], hit.layer, hit.signal, hit.value, repeated=True
+                )
+            ]
         if hit is None and group.firing:
             group.firing = False
             if rule.action == "notify" and self.policy.notify.send_resolved:
@@ -341,6 +357,7 @@ class Engine:
         signal: str | None,
         value: float | None,
         resolved: bool = False,
+        repeated: bool = False,
     ) -> Decision:
         rule = c.rule
         return Decision(
@@ -356,6 +373,7 @@ class Engine:
             generation=self.generation or 0,
             recovery=c.recovery,
             resolved=resolved,
+            repeated=repeated,
             at=m.at,
         )
 

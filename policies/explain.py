@@ -137,6 +137,12 @@ def explain_rule(rule: Rule, policy: Policy, index: int) -> list[str]:
             + (", with a resolved message when it clears" if policy.notify.send_resolved else "")
         )
     lines.append("   " + "; ".join(extra).capitalize() + ".")
+    if rule.action == "recover" and rule.when.cadence() & {"exit", "hang"}:
+        lines.append(
+            "   On a crash or a hang: roll back to the newest checkpoint that verifies, whatever "
+            "its grade, at or before the furthest step any rank reached (from step 0 when there "
+            "is none); each relaunch waits a backoff (the job's timeouts.restart_backoff_s)."
+        )
     if rule.recovery is not None:
         changed = rule.recovery.model_dump(exclude_none=True)
         lines.append(
@@ -149,7 +155,7 @@ def explain_recovery(rs: RecoverySettings) -> str:
     factors = ", ".join(f"{f:g}" for f in rs.lr_factors)
     parts = [
         "kill the ranks and roll back to the newest checkpoint graded "
-        f"{format_grade(rs.min_grade)} or better"
+        f"{format_grade(rs.min_grade)} or better (crashes and hangs: any grade)"
         + (
             f" and at least {rs.min_steps_back} steps before the incident"
             if rs.min_steps_back

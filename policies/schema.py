@@ -319,6 +319,16 @@ class Rule(_Model):
                 + "); this condition reads none",
                 "layers",
             )
+        faults_only = self.when.cadence() <= {"exit", "hang"}
+        if faults_only and self.recovery is not None:
+            for name in ("min_grade", "min_steps_back"):
+                if getattr(self.recovery, name) is not None:
+                    fail(
+                        f"'{name}' does not apply to crash and hang rules: they roll back to the "
+                        "newest checkpoint that verifies, whatever its grade, at or before the "
+                        "furthest step any rank reached",
+                        ("recovery", name),
+                    )
         if self.for_ is not None and self.when.cadence() <= {"exit", "hang"}:
             fail("'for' does not apply to crash and hang: they are events, not levels", "for")
         return self

@@ -36,7 +36,8 @@ class RankView:
     """Supervisor monotonic time of the last message (None: not yet)."""
     exit_code: int | None = None
     done: bool = False
-    hang_reported: bool = False
+    hang_reported_at: float | None = None
+    """When the last ``hang`` message for this silence was made (None: the rank is not silent)."""
 
 
 class Collector:
@@ -93,6 +94,7 @@ class Collector:
         msg["at"] = round(now, 3)
         v = self.ranks[rank]
         v.last_seen = now
+        v.hang_reported_at = None
         if msg["type"] == "dropped":
             self.rank_dropped = max(self.rank_dropped, int(msg.get("count") or 0))
         if msg["type"] in ("heartbeat", "report"):
@@ -173,20 +175,23 @@ class Collector:
         return msg
 
     def check_hangs(self, now: float) -> list[dict[str, Any]]:
-        """``hang`` messages (once per rank and generation) for ranks silent too long; before its
-        first heartbeat a rank has the longer ``first_heartbeat_timeout_s``."""
+        """``hang`` messages for ranks silent too long: when the silence passes the timeout, and
+        again after every further timeout of silence, with the growing ``age_s`` (so a rule such
+        as ``hang: 5m`` fires once the silence reaches 5 minutes). Before its first heartbeat a
+        rank has the longer ``first_heartbeat_timeout_s``; any message ends the silence."""
         if self.generation is None:
             return []
         out = []
         for v in self.ranks.values():
-            if v.exit_code is not None or v.done or v.hang_reported:
+            if v.exit_code is not None or v.done:
                 continue
             if v.step is None:
                 age, limit = now - self.launched_at, self.first_heartbeat_timeout_s
             else:
                 age, limit = now - (v.last_seen or now), self.hang_timeout_s
-            if age > limit:
-                v.hang_reported = True
+            due = v.hang_reported_at is None or now - v.hang_reported_at >= limit
+            if age > limit and due:
+                v.hang_reported_at = now
                 out.append(
                     {
                         "v": FORMAT_VERSION,

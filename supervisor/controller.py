@@ -64,6 +64,7 @@ class Controller:
         reap_interval_s: float = 30.0,
         default_settings: rc.Settings | None = None,
         remote_reap: bool = True,
+        preempt_grace_s: float = 30.0,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -88,13 +89,18 @@ class Controller:
         self.reap_interval_s = reap_interval_s
         self.remote_reap = remote_reap
         self.default_settings = default_settings or rc.Settings()
+        self.preempt_grace_s = preempt_grace_s
         self.state = rc.State()
+        self._preempt_reason: str | None = None
+        self._awaited: tuple[int, float] | None = None
+        """(request id, monotonic deadline) of a checkpoint request the machine waits for."""
         self._reports = open(self.run_dir / "reports.jsonl", "ab")
         self._last_reap = self.journal.mono()
         self._effects: dict[type, Callable[[Any], rc.Observation | None]] = {
             rc.Kill: self._kill,
             rc.SelectCheckpoint: self._select,
             rc.Launch: self._launch,
+            rc.RequestCheckpoint: self._request_checkpoint,
             rc.Shutdown: self._shutdown,
         }
 
@@ -106,7 +112,7 @@ class Controller:
             self.restart(resume_events)
         else:
             self._apply(rc.Start(self.launch_retries))
-        while self.state.phase not in rc.TERMINAL:
+        while self.state.phase not in rc.EXITS:
             self.step()
             time.sleep(self.poll_interval_s)
         self._write_status()
@@ -138,13 +144,19 @@ class Controller:
         self._reap(nxt, "ranks left by the previous supervisor")
         self._apply(rc.Restarted(self.default_settings, on_disk, self.launch_retries))
 
+    def preempt(self, reason: str) -> None:
+        """Ask the run to go away resumably (call from a signal handler: it only sets a flag)."""
+        self._preempt_reason = reason
+
     def step(self) -> rc.State:
         """One pass: poll ranks, evaluate, transition. Returns the (new) state."""
         now = self.journal.mono()
         if self.stop_file.exists():
             self._apply(rc.StopRequested(self._stop_reason()))
             return self.state
-        if self.state.phase in rc.ACTIVE:
+        if self._preempt_reason is not None and self.state.phase not in rc.EXITS:
+            self._apply(rc.Preempt(self._preempt_reason))
+        if self.state.phase in (*rc.ACTIVE, rc.Phase.PREEMPTING):
             for poll in self.group.poll():
                 for msg in self.collector.ingest_poll(poll, now):
                     self._feed(msg)
@@ -152,6 +164,9 @@ class Controller:
                 self._feed(msg)
             if now - self._last_reap >= self.reap_interval_s and self.state.phase in rc.ACTIVE:
                 self._reap(self.state.generation, "rank processes of replaced generations")
+        if self._awaited is not None and time.monotonic() >= self._awaited[1]:
+            request_id, self._awaited = self._awaited[0], None
+            self._apply(rc.GraceExpired(request_id))
         if self.state.phase is rc.Phase.PROBATION:
             slowest = self.collector.min_step()
             if slowest is not None:
@@ -173,6 +188,12 @@ class Controller:
             self._apply(self._observation(decision, msg))
             if self.collector.generation != gen:
                 return  # acted upon: the generation was fenced (and maybe replaced)
+        if msg["type"] == "checkpoint":
+            for request_id in msg.get("requests") or ():
+                saved = rc.CheckpointSaved(request_id, str(msg.get("path")), msg["step"])
+                if self._awaited is not None and self._awaited[0] == request_id:
+                    self._awaited = None
+                self._apply(saved)
         if msg["type"] == "exit":
             keys = ("step", "log_tail", "lost", "host")
             details: dict[str, Any] = {k: msg[k] for k in keys if k in msg}
@@ -199,8 +220,11 @@ class Controller:
         }
         if d.action == "stop":
             return rc.StopRequested(f"policy rule {d.rule}: {d.reason}")
-        if d.action != "recover":  # notify / checkpoint: an alert for the notifiers
+        if d.action == "checkpoint" and not d.resolved:
             details.update(rule=d.rule, step=d.step)
+            return rc.CheckpointWanted(d.reason, details=details)
+        if d.action != "recover":  # notify (or a checkpoint rule that resolved): an alert
+            details.update(rule=d.rule, step=d.step, repeated=bool(d.repeated))
             return rc.Notify(d.reason, resolved=bool(d.resolved), details=details)
         view = self.collector.ranks.get(d.rank) if d.rank is not None else None
         details.update(
@@ -220,7 +244,16 @@ class Controller:
                 timeout_s=msg.get("timeout_s"),
             )
         settings = rc.Settings.from_policy(d.recovery)
-        return rc.Recover(d.rule, d.reason, d.step, settings, details=details)
+        steps = [v.step for v in self.collector.ranks.values() if v.step is not None]
+        return rc.Recover(
+            d.rule,
+            d.reason,
+            d.step,
+            settings,
+            details=details,
+            fault=msg["type"] in ("exit", "hang"),  # a crash or a hang, not a training signal
+            furthest_step=max(steps) if steps else None,
+        )
 
     def _context(self, rank: int | None) -> dict[str, list[Any]]:
         """The recent samples of the rank that fired (rank 0 for run-wide rules), for the chart."""
@@ -260,16 +293,28 @@ class Controller:
 
     def _select(self, eff: rc.SelectCheckpoint) -> rc.CheckpointChosen:
         """The newest checkpoint that qualifies and verifies (read from the sidecars)."""
+        failed: list[str] = []
+
+        def verify(info: select.CheckpointInfo) -> None:
+            try:
+                select.verify(info)
+            except select.CheckpointError:
+                failed.append(info.path)
+                raise
+
         chosen, skipped = select.select_checkpoint(
             select.list_checkpoints(self.ckpt_dir),
             min_grade=eff.min_grade,
             before_step=eff.before_step,
             min_steps_back=eff.min_steps_back,
             lineage=eff.lineage,
+            verify_fn=verify,
+            fallback_on_corrupt=eff.fallback_on_corrupt,
         )
         passed_over = tuple((s.path, why) for s, why in skipped)
         if chosen is None:
-            return rc.CheckpointChosen(None, skipped=passed_over)
+            corrupt = failed[-1] if failed and not eff.fallback_on_corrupt else None
+            return rc.CheckpointChosen(None, skipped=passed_over, corrupt=corrupt)
         return rc.CheckpointChosen(
             chosen.path,
             step=chosen.step,
@@ -282,6 +327,8 @@ class Controller:
         """Wait the backoff, reap leftovers, write the plan and the fence, start the ranks."""
         delay = rc.backoff_delay(eff.backoff_attempt, self.backoff_base_s, self.backoff_max_s)
         if delay and self._sleep(delay):
+            if self._preempt_reason is not None and not self.stop_file.exists():
+                return rc.Preempt(self._preempt_reason)
             return rc.StopRequested(self._stop_reason())
         plan = eff.plan
         gen = plan.generation
@@ -306,6 +353,18 @@ class Controller:
         port = ranks[0].port if ranks else None
         return rc.Launched(gen, ranks=tuple(r.to_dict() for r in ranks), port=port, backoff_s=delay)
 
+    def _request_checkpoint(self, eff: rc.RequestCheckpoint) -> rc.Observation | None:
+        """Ask every rank to save at its next step boundary; with ``wait``, the machine hears
+        back when a rank publishes the checkpoint, or when the grace period is over."""
+        payload = {"type": "checkpoint", "id": eff.request_id, "reason": eff.reason}
+        delivered = self.group.request(payload)
+        if not eff.wait:
+            return None
+        if delivered == 0:
+            return rc.GraceExpired(eff.request_id)  # nobody to ask: do not wait for nothing
+        self._awaited = (eff.request_id, time.monotonic() + self.preempt_grace_s)
+        return None
+
     def _shutdown(self, eff: rc.Shutdown) -> None:
         self.collector.fence()
 
@@ -321,10 +380,10 @@ class Controller:
         """Sleep on the monotonic clock; True if a stop was requested meanwhile."""
         end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
-            if self.stop_file.exists():
+            if self.stop_file.exists() or self._preempt_reason is not None:
                 return True
             time.sleep(min(left, 0.2))
-        return self.stop_file.exists()
+        return self.stop_file.exists() or self._preempt_reason is not None
 
     def _reap(self, below_generation: int, why: str) -> None:
         self._last_reap = self.journal.mono()

@@ -46,7 +46,10 @@ class Kind(str, enum.Enum):
     FAILED = "failed"
     """The job failed (a crash no rule recovers, launches that keep failing)."""
     STOPPED = "stopped"
-    """Stopped by ``spikeguard stop`` or a policy ``stop`` rule."""
+    """Stopped by ``spikeguard stop``, Ctrl-C or a policy ``stop`` rule."""
+    PREEMPTED = "preempted"
+    """The supervisor was told to go (SIGTERM) and went, after an emergency checkpoint if the
+    ranks made one in time; the next ``spikeguard submit`` resumes the run."""
     LAUNCH_FAILED = "launch_failed"
     """A launch did not come up (a rank died before its first message, placement failed)."""
     RESUME = "resume"
@@ -85,6 +88,7 @@ STORY_KINDS = frozenset(
         Kind.COMPLETED,
         Kind.FAILED,
         Kind.STOPPED,
+        Kind.PREEMPTED,
         Kind.LAUNCH_FAILED,
         Kind.RESUME,
         Kind.ALERT,
@@ -130,9 +134,14 @@ class Reason(str, enum.Enum):
     RANKS_KILLED = "ranks_killed"
     CHECKPOINT_CHOSEN = "checkpoint_chosen"
     NO_HEALTHY_CHECKPOINT = "no_healthy_checkpoint"
+    RESTART_FROM_START = "restart_from_start"
+    """A crash or hang with no checkpoint to go back to: the job starts over from step 0."""
+    CORRUPT_CHECKPOINT = "corrupt_checkpoint"
+    """A checkpoint failed verification and the policy says not to fall back (escalates)."""
     LR_CUT = "lr_cut"
     OPTIMIZER_RESET = "optimizer_reset"
     PROBATION_WINDOW = "probation_window"
+    PROBATION_PROGRESS = "probation_progress"
     RECOVER_IN_PROBATION = "recover_in_probation"
     WINDOW_PASSED = "window_passed"
     FINISHED_IN_PROBATION = "finished_in_probation"
@@ -149,7 +158,14 @@ class Reason(str, enum.Enum):
     RESUME_FROM_CHECKPOINT = "resume_from_checkpoint"
     RESUME_FROM_START = "resume_from_start"
     RESUME_CHECKPOINT_GONE = "resume_checkpoint_gone"
+    # preemption
+    PREEMPTION = "preemption"
+    """SIGTERM arrived: an emergency checkpoint was requested."""
+    PREEMPTED_AFTER_CHECKPOINT = "preempted_after_checkpoint"
+    PREEMPTED_WITHOUT_CHECKPOINT = "preempted_without_checkpoint"
+    RESUME_AFTER_PREEMPTION = "resume_after_preemption"
     # notes
+    CHECKPOINT_REQUESTED = "checkpoint_requested"
     RULE_NOTIFY = "rule_notify"
     RULE_RESOLVED = "rule_resolved"
     TEARDOWN_EXIT = "teardown_exit"

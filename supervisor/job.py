@@ -39,6 +39,10 @@ class Timeouts(_Strict):
     agent_timeout_s: float = Field(30.0, gt=0)
     """A rank agent that does not answer polls for this long is lost (its node froze or was
     partitioned)."""
+    preempt_grace_s: float = Field(30.0, ge=0)
+    """After SIGTERM (a preemption), how long the ranks have to write an emergency checkpoint
+    before they are killed and the supervisor exits 143. Keep it below the platform's deadline
+    (Kubernetes terminationGracePeriodSeconds, Ray's RAY_JOB_STOP_WAIT_TIME_S)."""
     reap_interval_s: float = Field(30.0, gt=0)
     """How often rank processes of replaced generations (frozen nodes come back) are looked for and
     killed."""

@@ -3,6 +3,7 @@ the notifiers and the controller. The thin layer under ``spikeguard submit``."""
 
 from __future__ import annotations
 
+import math
 import signal
 from typing import Any
 
@@ -20,18 +21,27 @@ from .launch.ray_init import init_ray
 from .notify.console import ConsoleNotifier, LiveView
 
 
+def routed(notify: Any, destination: str) -> tuple[str, ...]:
+    """The severities a policy's ``notify.routes`` send to ``destination``."""
+    return tuple(s for s in ("info", "warn", "page") if destination in notify.destinations(s))
+
+
 def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> list[Any]:
     """The console, and Slack when a channel or a webhook is configured (the job file's
     notify.slack first, then the policy's, then the environment; secrets only from the latter)."""
     from .notify.slack import SlackNotifier, SlackSettings
 
-    notifiers: list[Any] = [ConsoleNotifier()]
-    job_slack, pol_slack = job.notify.slack, policy.notify.slack
+    notify = policy.notify
+    notifiers: list[Any] = [ConsoleNotifier(severities=routed(notify, "console"))]
+    job_slack, pol_slack = job.notify.slack, notify.slack
+    repeat = notify.repeat_interval
     settings = SlackSettings.from_env(
         channel=(job_slack.channel if job_slack else None) or pol_slack.channel,
         mention=(job_slack.mention if job_slack else None) or pol_slack.mention,
         runbook_url=pol_slack.runbook_url,
         dashboard_url=pol_slack.dashboard_url,
+        severities=routed(notify, "slack"),
+        repeat_interval_s=math.inf if repeat is None else repeat.value,
     )
     if not settings.channel and not settings.webhook_url:
         return notifiers  # Slack is not wanted
@@ -134,16 +144,19 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
             reap_interval_s=t.reap_interval_s,
             default_settings=rc.Settings.from_policy(policy.recovery),
             on_tick=LiveView() if live else None,
+            preempt_grace_s=t.preempt_grace_s,
         )
         notifiers = make_notifiers(job, policy, job.name, ctl.journal.record)
         for n in notifiers if events else ():
+            # the Slack threads of open incidents continue where the dead supervisor left them
             restore = getattr(n, "restore", None)
-            if (
-                restore
-            ):  # the Slack threads of open incidents continue where the dead supervisor left them
+            if restore:
                 restore(events)
         ctl.notifiers = notifiers
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        # SIGTERM is a preemption (pod eviction, spot reclaim, `ray job stop`): an emergency
+        # checkpoint, then exit 143; the next `spikeguard submit` resumes
+        preempt = ctl.preempt
+        signal.signal(signal.SIGTERM, lambda *_: preempt("SIGTERM: the supervisor must go"))
         what = "resuming" if events else "running"
         print(
             f"spikeguard: {what} run {job.name} in {run_dir} ({job.workers} ranks, "
@@ -153,7 +166,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         return ctl.run(resume_events=events or None)
     except KeyboardInterrupt:
         if ctl is not None:
-            ctl.stop_file.write_text("interrupted (Ctrl-C / SIGTERM)")
+            ctl.stop_file.write_text("interrupted (Ctrl-C)")
             ctl.step()
         return ExitCode.INTERRUPTED
     finally:

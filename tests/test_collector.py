@@ -96,7 +96,14 @@ def test_hang_uses_first_heartbeat_timeout_then_the_regular_one(col):
     assert col.check_hangs(now=169.0) == []  # rank 0 silent 9.5 s < 10 s
     hangs = col.check_hangs(now=170.0)
     assert [h["rank"] for h in hangs] == [0] and hangs[0]["first"] is False
-    assert col.check_hangs(now=500.0) == []  # reported once per generation
+    # a silence is reported again only after another full timeout, with its growing age (so a
+    # `hang: 5m` rule sees the silence reach 5 minutes); rank 1 (first at 160.5) is due at 220.5
+    assert col.check_hangs(now=175.0) == []
+    again = {h["rank"]: h for h in col.check_hangs(now=221.0)}
+    assert sorted(again) == [0, 1] and again[1]["age_s"] == 121.0 and again[1]["first"] is True
+    assert again[0]["age_s"] == 61.5 and again[0]["first"] is False
+    col.ingest(0, line(step=2), now=222.0)  # any message ends rank 0's silence
+    assert col.check_hangs(now=230.0) == []
 
 
 def test_a_slow_but_progressing_rank_is_not_hung(col):

@@ -210,3 +210,34 @@ def test_garbage_on_the_report_socket_is_dropped_and_counted(ray_local, tmp_path
         "stale_generation": 1,
         "oversize": 1,
     }
+
+
+def test_a_crash_before_any_checkpoint_starts_over_instead_of_escalating(
+    ray_local, tmp_path, fail_at
+):
+    fail_at(1, 8, "sigkill")  # the first checkpoint would be at step 20
+    job = toy_job(tmp_path, policy="default", faults=fail_at, steps=40)
+    assert run(job) == 0
+    evs = events(Path(job.run_dir))
+    rollback = next(e for e in evs if e["kind"] == "rollback")
+    assert rollback["code"] == "restart_from_start" and rollback["checkpoint_step"] is None
+    gen2 = launch_of(evs, 2)
+    assert gen2["plan"]["checkpoint"] is None and gen2["lr_scale"] == 1.0
+    assert min(m["step"] for m in reports(Path(job.run_dir)) if m["gen"] == 2) == 0
+    assert [e["kind"] for e in evs][-1] == "completed"
+
+
+def test_a_crash_rolls_back_to_the_newest_checkpoint_whatever_its_grade(
+    ray_local, tmp_path, fail_at
+):
+    # the default policy asks numerical incidents for S4 and 200 steps back; a crash is not one
+    fail_at(1, 45, "sigkill")
+    job = toy_job(tmp_path, policy="default", faults=fail_at, steps=60)
+    assert run(job) == 0
+    evs = events(Path(job.run_dir))
+    inc = next(e for e in evs if e["kind"] == "incident")
+    assert inc["rule"] == "crash"
+    rollback = next(e for e in evs if e["kind"] == "rollback")
+    assert rollback["checkpoint_step"] == 40 and "any grade" in rollback["reason"]
+    assert launch_of(evs, 2)["plan"]["checkpoint_step"] == 40
+    assert [e["kind"] for e in evs][-1] == "completed"

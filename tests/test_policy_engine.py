@@ -16,7 +16,7 @@ from spikeguard.policies import (
     load_policy_text,
     replay,
 )
-from spikeguard.policies.testing import done, exit_, heartbeat, hello, report
+from spikeguard.policies.testing import done, exit_, hang, heartbeat, hello, report
 
 
 def policy(rule: str, *, action: str = "recover", warm_in: str = "0 steps", head: str = ""):
@@ -351,3 +351,16 @@ def test_lr_factors_compound_and_the_last_one_repeats():
     rs = RecoverySettings(lr_factors=[0.5, 0.3], max_attempts=3)
     assert [rs.lr_factor(i) for i in range(4)] == [0.5, 0.3, 0.3, 0.3]
     assert rs.lr_scale(0) == 1.0 and rs.lr_scale(3) == pytest.approx(0.5 * 0.3 * 0.3)
+
+
+def test_a_hang_threshold_longer_than_the_timeout_fires_when_the_silence_reaches_it():
+    # the collector repeats `hang` every timeout of continued silence, with the growing age
+    pol = load_policy_text("""
+version: 1
+name: t
+rules:
+  - {name: long-hang, when: hang > 5m, action: recover}
+""")
+    ages = [60.0, 120.0, 180.0, 240.0, 300.0, 360.0]
+    out = replay(pol, [hang(0, age, step=10, at=1000 + age) for age in ages])
+    assert [(d.rule, d.value) for d in out] == [("long-hang", 300.0)]  # once, at 5 minutes

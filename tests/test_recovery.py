@@ -115,7 +115,9 @@ def test_launched_enters_probation():
 def test_probation_passes_only_at_the_window_end():
     s = to_probation()
     t = rc.step(s, rc.Progress(2000))
-    assert t.state.phase is rc.Phase.PROBATION and t.events == ()
+    assert t.state.phase is rc.Phase.PROBATION and kinds(t) == ["probation_progress"]
+    assert t.events[0]["reason"] == "probation 90% done: step 2000 of 1001..2001"
+    assert rc.step(t.state, rc.Progress(2000)).events == ()  # each tenth is reported once
     t = rc.step(s, rc.Progress(2001))
     assert t.state.phase is rc.Phase.RUNNING and kinds(t) == ["probation_passed"]
     assert t.state.incident is None and t.state.lr_scale == pytest.approx(0.5)

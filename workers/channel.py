@@ -5,6 +5,10 @@ daemon thread serialises and writes. When the queue is full the message is
 dropped and counted (back-pressure must never slow training); the count is
 sent as a ``dropped`` message once the writer catches up.
 
+Over a socket the channel also carries the supervisor's requests back (a checkpoint now, for a
+policy rule or before a preemption): a reader thread puts them on a queue that
+:meth:`Channel.poll_requests` drains without blocking (``Session.step`` does, every step).
+
 Destinations (see :mod:`spikeguard.workers.contract`):
 
 * ``off``                   — nothing is sent (the default without a supervisor)
@@ -24,6 +28,7 @@ import time
 from typing import Any
 
 _STOP = object()
+MAX_REQUEST_BYTES = 1 << 16
 
 
 class Channel:
@@ -34,6 +39,7 @@ class Channel:
         self.dropped = 0
         self.sent = 0
         self._reported_dropped = 0
+        self._requests: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="spikeguard-channel", daemon=True)
         self._thread.start()
 
@@ -46,6 +52,13 @@ class Channel:
         except queue.Full:
             self.dropped += 1
             return False
+
+    def poll_requests(self) -> list[dict[str, Any]]:
+        """The supervisor's requests received since the last call (never blocks)."""
+        out = []
+        while not self._requests.empty():
+            out.append(self._requests.get_nowait())
+        return out
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush what is queued (up to ``timeout`` seconds) and stop the writer."""
@@ -102,6 +115,9 @@ class NullChannel:
 
     def send(self, msg: dict[str, Any]) -> bool:
         return True
+
+    def poll_requests(self) -> list[dict[str, Any]]:
+        return []
 
     def close(self, timeout: float = 5.0) -> None:
         pass
@@ -165,6 +181,13 @@ class SocketChannel(Channel):
             if self._sock is None:
                 self.dropped += 1
                 return False
+            reader = threading.Thread(
+                target=self._read_requests,
+                args=(self._sock,),
+                name="spikeguard-requests",
+                daemon=True,
+            )
+            reader.start()
         try:
             self._sock.sendall(line)
             return True
@@ -173,6 +196,30 @@ class SocketChannel(Channel):
             self._sock = None
             self.dropped += 1
             return False
+
+    def _read_requests(self, sock: socket.socket) -> None:
+        """Read the supervisor's requests (JSON lines) from ``sock`` until it closes."""
+        buf = b""
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not chunk:
+                return
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            if len(buf) > MAX_REQUEST_BYTES:
+                buf = b""  # not a request: nothing the supervisor sends is this long
+            for line in lines:
+                try:
+                    req = json.loads(line)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(req, dict) and isinstance(req.get("type"), str):
+                    self._requests.put(req)
 
     def _shutdown(self) -> None:
         if self._sock is not None:

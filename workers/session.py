@@ -90,6 +90,11 @@ class Session:
         self._last_loss: float | None = None
         self._last_sample: dict[str, Any] | None = None
         self._hook_handles: list[Any] = []
+        self._checkpoint_requests: list[int] = []
+        """Ids of the supervisor's checkpoint requests not yet seen by should_checkpoint."""
+        self._answering: list[int] = []
+        """Ids should_checkpoint said yes to: the next save_checkpoint answers them."""
+        self._seen_requests: set[int] = set()
         self._send(
             "hello",
             world_size=self.world_size,
@@ -136,6 +141,7 @@ class Session:
         (a tensor costs a device sync; pass floats if you already have them).
         ``extra``: more JSON-able metrics, sent in the message under ``extra``.
         """
+        self._take_requests()
         s = self._step if step is None else int(step)
         loss_f, gn_f = _num(loss), _num(grad_norm)
         eff_lr = None if lr is None else float(lr) * self.lr_scale
@@ -158,6 +164,35 @@ class Session:
             self._send("heartbeat", step=s, **fields)
         self._step = s + 1
         self._arm(self._step)
+
+    def _take_requests(self) -> None:
+        """Move the supervisor's new requests off the channel (a queue check; never blocks)."""
+        for req in self.channel.poll_requests():
+            rid = req.get("id")
+            if not isinstance(rid, int) or isinstance(rid, bool) or rid in self._seen_requests:
+                continue
+            self._seen_requests.add(rid)
+            if req.get("type") == "checkpoint":
+                self._checkpoint_requests.append(rid)
+
+    def should_checkpoint(self, step: int | None = None, *, every: int | None = None) -> bool:
+        """True when a checkpoint is due at ``step``: every ``every`` steps (from step ``every``
+        on), or because the supervisor asked for one (a policy ``checkpoint`` rule, or an
+        emergency checkpoint before a preemption). Call it at the end of every step, on every
+        rank; save when it says so::
+
+            if sg.should_checkpoint(step, every=500) and rank == 0:
+                sg.save_checkpoint(state, step=step)
+
+        The next :meth:`save_checkpoint` answers the pending requests. Never blocks.
+        """
+        self._take_requests()
+        if self._checkpoint_requests:
+            self._answering += self._checkpoint_requests
+            self._checkpoint_requests = []
+            return True
+        s = self._step - 1 if step is None else int(step)
+        return bool(every) and s > 0 and s % int(every) == 0
 
     def should_skip(self, step: int) -> bool:
         """True when the supervisor asked to skip this step's batch (incident data window)."""
@@ -227,6 +262,9 @@ class Session:
             meta=full_meta,
             fence=self._check_fence,
         )
+        self._take_requests()  # a save after a request answers it, whatever prompted the save
+        answered = self._answering + self._checkpoint_requests
+        self._answering, self._checkpoint_requests = [], []
         self._send(
             "checkpoint",
             step=step,
@@ -234,6 +272,7 @@ class Session:
             sha256=info.sha256,
             grade=full_meta["grade"],
             loss=self._last_loss,
+            requests=answered,
         )
         return info
 

@@ -9,6 +9,7 @@ recovery: it only starts, reports and kills.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -43,6 +44,10 @@ class RankAgent:
         self._generation = -1
         self._sockdir = tempfile.mkdtemp(prefix="sg-")
         self._server: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        """The current generation's connections to its rank (requests go back on them)."""
+        self._requests: list[bytes] = []
+        """Requests sent to the current generation, re-sent on every new connection."""
         self._log: Any = None
 
     # -- placement facts ------------------------------------------------------------------
@@ -80,6 +85,13 @@ class RankAgent:
                 conn, _ = srv.accept()
             except OSError:
                 return
+            with self._lock:
+                current = srv is self._server
+                if current:
+                    self._conns.add(conn)
+                pending = list(self._requests) if current else []
+            for line in pending:  # a rank that (re)connects gets what it may have missed
+                _send(conn, line)
             threading.Thread(target=self._read, args=(conn,), daemon=True).start()
 
     def _read(self, conn: socket.socket) -> None:
@@ -90,8 +102,10 @@ class RankAgent:
                 try:
                     chunk = conn.recv(65536)
                 except OSError:
-                    return
+                    chunk = b""
                 if not chunk:
+                    with self._lock:
+                        self._conns.discard(conn)
                     return
                 buf += chunk
                 *lines, buf = buf.split(b"\n")
@@ -113,6 +127,17 @@ class RankAgent:
                     self._lines.extend(lines[: max(room, 0)])
                     self._overflow += max(len(lines) - max(room, 0), 0)
 
+    def request(self, payload: dict[str, Any]) -> bool:
+        """Send ``payload`` (one JSON line) to the rank; True when its process is alive to get it
+        (now, or when it connects: requests are re-sent on every new connection)."""
+        line = (json.dumps(payload, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            self._requests.append(line)
+            conns = list(self._conns)
+        for conn in conns:
+            _send(conn, line)
+        return self._proc is not None and self._proc.poll() is None
+
     # -- process lifecycle ------------------------------------------------------------------
     def start(
         self, *, generation: int, cmd: list[str], env: dict[str, str], cwd: str, log_path: str
@@ -121,6 +146,9 @@ class RankAgent:
         if self._proc is not None and self._proc.poll() is None:
             self.kill()
         sock = os.path.join(self._sockdir, f"r{self.rank}-g{generation}.sock")
+        with self._lock:
+            self._conns.clear()
+            self._requests.clear()
         self._serve(sock)
         with self._lock:
             self._lines.clear()
@@ -228,6 +256,15 @@ class RankAgent:
 
     def ping(self) -> int:
         return self.rank
+
+
+def _send(conn: socket.socket, line: bytes) -> None:
+    """Best effort: a rank that is gone or not reading loses the request (it is re-sent if it
+    reconnects)."""
+    try:
+        conn.sendall(line)
+    except OSError:
+        pass
 
 
 def _signal_group(pid: int, sig: int) -> None:

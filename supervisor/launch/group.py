@@ -268,6 +268,23 @@ class WorkerGroup:
             unreachable=tuple(sorted(unreachable)),
         )
 
+    def request(self, payload: dict[str, Any], timeout_s: float = 5.0) -> int:
+        """Send ``payload`` to every reachable rank (through its agent's report socket); returns
+        how many ranks have it. Never waits longer than ``timeout_s``."""
+        refs = [
+            a.request.remote(payload) for r, a in enumerate(self._agents) if r not in self._lost
+        ]
+        if not refs:
+            return 0
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        reached = 0
+        for ref in ready:
+            try:
+                reached += 1 if ray.get(ref) else 0
+            except RayError:
+                continue
+        return reached
+
     def shutdown(self) -> None:
         if self._agents:
             try:

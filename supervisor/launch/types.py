@@ -142,3 +142,8 @@ class Group(Protocol):
     def kill(self, grace_s: float = 0.0) -> KillReport:
         """Kill every reachable rank's process tree."""
         ...
+
+    def request(self, payload: dict[str, Any]) -> int:
+        """Send ``payload`` to every rank of the current generation (the rank's SDK reads it at its
+        next step); returns how many ranks it reached."""
+        ...

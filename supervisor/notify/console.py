@@ -19,15 +19,22 @@ from .describe import describe
 
 
 class ConsoleNotifier:
-    """Prints every story event as it is journaled."""
+    """Prints every story event as it is journaled (alerts only of the ``severities`` the
+    policy's ``notify.routes`` send to the console)."""
 
-    def __init__(self, out: TextIO | None = None) -> None:
+    def __init__(
+        self, out: TextIO | None = None, severities: tuple[str, ...] = ("info", "warn", "page")
+    ) -> None:
         self.out = out or sys.stdout
+        self.severities = severities
 
     def handle(self, ev: dict[str, Any]) -> None:
         """Print ``ev`` if a person following the run wants to read it."""
-        if ev.get("kind") in STORY_KINDS:
-            print(f"[spikeguard {ev['mono']:8.1f}s] {describe(ev)}", file=self.out, flush=True)
+        if ev.get("kind") not in STORY_KINDS:
+            return
+        if ev.get("kind") == "alert" and str(ev.get("severity") or "warn") not in self.severities:
+            return
+        print(f"[spikeguard {ev['mono']:8.1f}s] {describe(ev)}", file=self.out, flush=True)
 
 
 class LiveView:

@@ -156,6 +156,15 @@ def _rollback(f: _Fields) -> str:
     return f"{f.bold('Rolled back')} to step {f.num('checkpoint_step')}{path} {checkpoint}{tail}"
 
 
+def _preempted(f: _Fields) -> str:
+    head = f.bold("Run preempted")
+    if f.get("checkpoint_step") is None:
+        line = f"{head} without an emergency checkpoint"
+    else:
+        line = f"{head} after an emergency checkpoint at step {f.num('checkpoint_step')}"
+    return f"{line}; {f.code('spikeguard submit')} of the same job resumes it"
+
+
 def _lr_cut(f: _Fields) -> str:
     return f"{f.bold('LR cut')} ×{f.num('factor')}: LR scale now {f.num('lr_scale')}"
 
@@ -224,6 +233,7 @@ TEMPLATES: dict[Kind, Callable[[_Fields], str]] = {
     Kind.COMPLETED: _completed,
     Kind.FAILED: _failed,
     Kind.STOPPED: _headline("Run stopped"),
+    Kind.PREEMPTED: _preempted,
     Kind.LAUNCH_FAILED: _launch_failed,
     Kind.RESUME: _headline("Supervisor restarted"),
     Kind.ALERT: _alert,

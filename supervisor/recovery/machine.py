@@ -53,8 +53,11 @@ from .model import (
     RECUR_WINDOW_STEPS,
     TERMINAL,
     CheckpointChosen,
+    CheckpointSaved,
+    CheckpointWanted,
     Event,
     Finished,
+    GraceExpired,
     Incident,
     Kill,
     Killed,
@@ -64,10 +67,12 @@ from .model import (
     Notify,
     Observation,
     Phase,
+    Preempt,
     Progress,
     RankExited,
     Recover,
     RelaunchCause,
+    RequestCheckpoint,
     Restarted,
     ResumePlan,
     SelectCheckpoint,
@@ -190,7 +195,13 @@ def step1_incident(state: State, obs: Recover) -> Transition:
     run has had too many incidents)."""
     n = state.incidents_seen + 1
     inc = Incident(
-        id=f"inc-{n:03d}", rule=obs.rule, reason=obs.reason, step=obs.step, settings=obs.settings
+        id=f"inc-{n:03d}",
+        rule=obs.rule,
+        reason=obs.reason,
+        step=obs.step,
+        settings=obs.settings,
+        fault=obs.fault,
+        furthest_step=obs.furthest_step,
     )
     state = _replace(state, incidents_seen=n)
     settings = inc.settings
@@ -237,7 +248,6 @@ def step2_killed(state: State, obs: Killed) -> Transition:
     """2. The generation is dead: choose the checkpoint to roll back to."""
     inc = state.incident
     assert inc is not None, "KILLING always has an incident"
-    s = inc.settings
     how = ""
     if obs.unreachable:
         how += f"; ranks {list(obs.unreachable)} unreachable (fenced, reaped by pid when reachable)"
@@ -253,43 +263,40 @@ def step2_killed(state: State, obs: Killed) -> Transition:
         forced=list(obs.forced),
         unreachable=list(obs.unreachable),
     )
-    select = SelectCheckpoint(s.min_grade, inc.step, s.min_steps_back, state.lineage)
-    return Transition(_replace(state, phase=Phase.ROLLING_BACK), (select,), (event,))
+    return Transition(
+        _replace(state, phase=Phase.ROLLING_BACK), (_rollback_select(state, inc),), (event,)
+    )
+
+
+def _rollback_select(state: State, inc: Incident) -> SelectCheckpoint:
+    """Which checkpoint an incident rolls back to. A numerical incident: the newest graded at
+    least ``min_grade``, ``min_steps_back`` before the incident. A crash or a hang: the newest
+    that verifies, whatever its grade, at or before the furthest step any rank reached."""
+    s = inc.settings
+    if inc.fault:
+        furthest = max(inc.step, inc.furthest_step or inc.step)
+        return SelectCheckpoint(None, furthest, 0, state.lineage, s.fallback_on_corrupt)
+    return SelectCheckpoint(
+        s.min_grade, inc.step, s.min_steps_back, state.lineage, s.fallback_on_corrupt
+    )
 
 
 # ---- 3. ROLLING_BACK: a checkpoint was chosen (or none qualifies) -----------------------------
 @_on([Phase.ROLLING_BACK], CheckpointChosen)
 def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
-    """3. Roll back to the chosen checkpoint, cut the LR, reset the optimizer and relaunch; with
-    no healthy checkpoint, escalate."""
+    """3. Roll back to the chosen checkpoint, cut the LR, reset the optimizer and relaunch. With
+    no checkpoint: a crash or a hang starts over from step 0; a numerical incident escalates."""
     inc = state.incident
     assert inc is not None, "ROLLING_BACK always has an incident"
+    if obs.path is None and not (inc.fault and obs.corrupt is None):
+        return _no_checkpoint(state, inc, obs)
     s = inc.settings
-    skipped = [{"path": p, "reason": r} for p, r in obs.skipped]
-    if obs.path is None:
-        why = (
-            f"no checkpoint graded >= S{s.min_grade} at least {s.min_steps_back} steps before "
-            f"step {inc.step} verifies"
-        )
-        ends = (
-            _ev(
-                Kind.ROLLBACK,
-                Reason.NO_HEALTHY_CHECKPOINT,
-                why,
-                inc,
-                checkpoint_step=None,
-                checkpoint_path=None,
-                skipped=skipped,
-            ),
-            _ev(Kind.ESCALATED, Reason.NO_HEALTHY_CHECKPOINT, why, inc, hold=False),
-        )
-        st = _replace(state, phase=Phase.ESCALATED, exit_code=ExitCode.ESCALATED)
-        return Transition(st, (Shutdown(ExitCode.ESCALATED),), ends)
     factor = lr_factor(s, inc.attempts)
     scale = state.lr_scale * factor
     skip: tuple[tuple[int, int], ...] = ()
     if s.skip_window > 0:
-        skip = ((max(inc.step - s.skip_window + 1, (obs.step or 0) + 1), inc.step),)
+        first = 0 if obs.step is None else obs.step + 1  # never the checkpoint's own data
+        skip = ((max(inc.step - s.skip_window + 1, first), inc.step),)
     plan = ResumePlan(
         checkpoint=obs.path,
         checkpoint_step=obs.step,
@@ -300,11 +307,27 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
         generation=next_generation(state),
     )
     inc = _replace(inc, attempts=inc.attempts + 1)
+    skipped = [{"path": p, "reason": r} for p, r in obs.skipped]
+    if obs.path is None:
+        code = Reason.RESTART_FROM_START
+        why = (
+            f"no checkpoint on this run's lineage at or before step {inc.furthest_step or inc.step}"
+            " verifies: a crash or a hang starts over from step 0"
+        )
+    elif inc.fault:
+        code = Reason.CHECKPOINT_CHOSEN
+        why = (
+            "newest checkpoint that verifies (any grade) at or before step "
+            f"{max(inc.step, inc.furthest_step or inc.step)}"
+        )
+    else:
+        code = Reason.CHECKPOINT_CHOSEN
+        why = f"newest checkpoint graded S{obs.grade} >= S{s.min_grade} before step {inc.step}"
     events: list[Event] = [
         _ev(
             Kind.ROLLBACK,
-            Reason.CHECKPOINT_CHOSEN,
-            f"newest checkpoint graded S{obs.grade} >= S{s.min_grade} before step {inc.step}",
+            code,
+            why,
             inc,
             checkpoint_step=obs.step,
             checkpoint_path=obs.path,
@@ -342,7 +365,41 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
         relaunch_cause="recovery",
         resume_to=None,
     )
-    return Transition(st, (Launch(plan, backoff_attempt=inc.attempts),), tuple(events))
+    # a crash loop waits longer each time; a numerical incident relaunches at once
+    backoff = inc.attempts if inc.fault else 0
+    return Transition(st, (Launch(plan, backoff_attempt=backoff),), tuple(events))
+
+
+def _no_checkpoint(state: State, inc: Incident, obs: CheckpointChosen) -> Transition:
+    """Nothing to roll back to (or, with ``fallback_on_corrupt`` off, a corrupt one): escalate."""
+    s = inc.settings
+    skipped = [{"path": p, "reason": r} for p, r in obs.skipped]
+    if obs.corrupt is not None:
+        code = Reason.CORRUPT_CHECKPOINT
+        why = (
+            f"checkpoint {obs.corrupt} failed verification and the policy does not fall back "
+            "to older ones (recovery.fallback_on_corrupt: false)"
+        )
+    else:
+        code = Reason.NO_HEALTHY_CHECKPOINT
+        why = (
+            f"no checkpoint graded >= S{s.min_grade} at least {s.min_steps_back} steps before "
+            f"step {inc.step} verifies"
+        )
+    ends = (
+        _ev(
+            Kind.ROLLBACK,
+            code,
+            why,
+            inc,
+            checkpoint_step=None,
+            checkpoint_path=None,
+            skipped=skipped,
+        ),
+        _ev(Kind.ESCALATED, code, why, inc, hold=False),
+    )
+    st = _replace(state, phase=Phase.ESCALATED, exit_code=ExitCode.ESCALATED)
+    return Transition(st, (Shutdown(ExitCode.ESCALATED),), ends)
 
 
 # ---- 4. RELAUNCHING: the new generation is up
@@ -388,7 +445,13 @@ def _launched(state: State, obs: Launched, cause: RelaunchCause) -> Transition:
     if cause == "recovery":
         assert inc is not None, "a recovery relaunch always has an incident"
         until = start_at + inc.settings.probation_steps
-        st = _replace(st, phase=Phase.PROBATION, probation_from=start_at, probation_until=until)
+        st = _replace(
+            st,
+            phase=Phase.PROBATION,
+            probation_from=start_at,
+            probation_until=until,
+            probation_reported=0,
+        )
         return Transition(
             st,
             events=(
@@ -414,9 +477,23 @@ def _launched(state: State, obs: Launched, cause: RelaunchCause) -> Transition:
 # ---- 5. PROBATION: the window passes, or another recover decision fails it ---------------------
 @_on([Phase.PROBATION], Progress)
 def step5_progress(state: State, obs: Progress) -> Transition:
-    """5. Training reached the end of the probation window: the incident is resolved."""
-    if obs.step < (state.probation_until or 0):
-        return Transition(state)
+    """5. Training reached the end of the probation window: the incident is resolved (on the
+    way, each tenth of the window is reported)."""
+    start, until = state.probation_from or 0, state.probation_until or 0
+    if obs.step < until:
+        tenths = (obs.step - start) * 10 // max(until - start, 1)
+        if tenths <= state.probation_reported:
+            return Transition(state)
+        event = _ev(
+            Kind.PROBATION_PROGRESS,
+            Reason.PROBATION_PROGRESS,
+            f"probation {tenths * 10}% done: step {obs.step} of {start}..{until}",
+            state.incident,
+            step=obs.step,
+            from_step=start,
+            until_step=until,
+        )
+        return Transition(_replace(state, probation_reported=tenths), events=(event,))
     return _probation_passed(
         state, obs.step, Reason.WINDOW_PASSED, "no second incident in the probation window"
     )
@@ -459,7 +536,14 @@ def step5_probation_failed(state: State, obs: Recover) -> Transition:
     if inc.attempts >= inc.settings.max_attempts:
         why = f"recovery budget of {inc.settings.max_attempts} attempts spent"
         return _give_up(state, inc, events, why, Reason.BUDGET_SPENT)
-    inc = _replace(inc, rule=obs.rule, reason=obs.reason, step=obs.step)
+    inc = _replace(
+        inc,
+        rule=obs.rule,
+        reason=obs.reason,
+        step=obs.step,
+        fault=obs.fault,
+        furthest_step=obs.furthest_step,
+    )
     return _kill_for(state, inc, obs, events)
 
 
@@ -485,7 +569,7 @@ def _give_up(
 
 
 # ---- the run ends --------------------------------------------------------------------------------
-@_on(ACTIVE, Finished)
+@_on((*ACTIVE, Phase.PREEMPTING), Finished)
 def finished(state: State, obs: Finished) -> Transition:
     """Every rank finished: the run is complete (a probation in progress passes)."""
     events: tuple[Event, ...] = ()
@@ -581,6 +665,78 @@ def notify(state: State, obs: Notify) -> Transition:
     return Transition(state, events=(event,))
 
 
+# ---- requests to the ranks: a checkpoint now, and preemption ----------------------------------
+@_on(ACTIVE, CheckpointWanted)
+def checkpoint_wanted(state: State, obs: CheckpointWanted) -> Transition:
+    """A ``checkpoint`` rule fired: ask the ranks to save at their next step boundary."""
+    n = state.requests_sent + 1
+    event = _ev(
+        Kind.ALERT,
+        Reason.CHECKPOINT_REQUESTED,
+        obs.reason,
+        None,
+        resolved=False,
+        request_id=n,
+        **obs.details,
+    )
+    request = RequestCheckpoint(n, f"policy: {obs.details.get('rule')}")
+    return Transition(_replace(state, requests_sent=n), (request,), (event,))
+
+
+@_on(LIVE, Preempt)
+def preempt(state: State, obs: Preempt) -> Transition:
+    """The supervisor must go. Training ranks are asked for an emergency checkpoint first (the
+    controller waits its grace period for it); in any other phase there is nothing to save."""
+    if state.phase in (Phase.PREEMPTING, Phase.PREEMPTED):
+        return Transition(state)
+    if state.phase not in ACTIVE:
+        return _preempted(_replace(state, preempted_from=state.phase), obs.reason, None)
+    n = state.requests_sent + 1
+    event = _ev(
+        Kind.ALERT,
+        Reason.PREEMPTION,
+        f"{obs.reason}: asking the ranks for an emergency checkpoint",
+        state.incident,
+        severity="info",
+        rule=None,
+        request_id=n,
+    )
+    st = _replace(state, phase=Phase.PREEMPTING, preempted_from=state.phase, requests_sent=n)
+    return Transition(st, (RequestCheckpoint(n, obs.reason, wait=True),), (event,))
+
+
+@_on([Phase.PREEMPTING], CheckpointSaved)
+def preempt_saved(state: State, obs: CheckpointSaved) -> Transition:
+    """The emergency checkpoint is durable: stop, resumably."""
+    if obs.request_id != state.requests_sent:
+        return Transition(state)  # an answer to an older request
+    return _preempted(state, "preempted after an emergency checkpoint", obs)
+
+
+@_on([Phase.PREEMPTING], GraceExpired)
+def preempt_expired(state: State, obs: GraceExpired) -> Transition:
+    """No emergency checkpoint in time: stop anyway; the resume starts from the newest one."""
+    if obs.request_id != state.requests_sent:
+        return Transition(state)
+    return _preempted(state, "preempted: no emergency checkpoint within the grace period", None)
+
+
+def _preempted(state: State, why: str, saved: CheckpointSaved | None) -> Transition:
+    code = Reason.PREEMPTED_AFTER_CHECKPOINT if saved else Reason.PREEMPTED_WITHOUT_CHECKPOINT
+    event = _ev(
+        Kind.PREEMPTED,
+        code,
+        why,
+        state.incident,
+        checkpoint_path=saved.path if saved else None,
+        checkpoint_step=saved.step if saved else None,
+        interrupted=(state.preempted_from or state.phase).value,
+        exit_code=ExitCode.PREEMPTED,
+    )
+    st = _replace(state, phase=Phase.PREEMPTED, exit_code=ExitCode.PREEMPTED)
+    return Transition(st, (Kill(why), Shutdown(ExitCode.PREEMPTED)), (event,))
+
+
 # ---- launch failures ---------------------------------------------------------------------------
 @_on((Phase.RUNNING, Phase.PROBATION, Phase.RELAUNCHING), LaunchFailed)
 def launch_failed(state: State, obs: LaunchFailed) -> Transition:
@@ -659,26 +815,36 @@ def launch_failed(state: State, obs: LaunchFailed) -> Transition:
 def restarted(state: State, obs: Restarted) -> Transition:
     """Finish what the journal shows unfinished: an interrupted kill, the checkpoint choice, the
     relaunch with the journaled plan; a running generation is resumed from a checkpoint (its
-    agents died with the old supervisor)."""
+    agents died with the old supervisor). A preempted run goes back to the phase the preemption
+    interrupted, and resumes from its newest checkpoint whatever its grade (the emergency one,
+    if the ranks made it in time)."""
     st = _replace(
         state,
         max_generation=max(state.max_generation, obs.highest_generation),
         launch_retries=obs.launch_retries,
     )
+    if st.phase in (Phase.PREEMPTING, Phase.PREEMPTED):
+        interrupted = st.preempted_from or Phase.RUNNING
+        keep = interrupted in ACTIVE  # marks the resume "after preemption"
+        st = _replace(
+            st,
+            phase=interrupted,
+            exit_code=None,
+            preempted_from=st.preempted_from if keep else None,
+        )
     p, inc = st.phase, st.incident
     if p is Phase.STARTING:
         return start(st, Start(obs.launch_retries))
     if p in (Phase.RUNNING, Phase.PROBATION, Phase.RESUMING):
         back = st.resume_to if p is Phase.RESUMING else p
         s = inc.settings if inc is not None else obs.settings
+        min_grade = None if st.preempted_from is not None else s.min_grade
         st = _replace(st, phase=Phase.RESUMING, resume_to=back or Phase.RUNNING)
-        return Transition(st, (SelectCheckpoint(s.min_grade, None, 0, st.lineage),))
+        return Transition(st, (SelectCheckpoint(min_grade, None, 0, st.lineage),))
     if p is Phase.KILLING and inc is not None:
         return Transition(st, (Kill(f"supervisor restart: finishing the kill of {inc.id}"),))
     if p is Phase.ROLLING_BACK and inc is not None:
-        s = inc.settings
-        select = SelectCheckpoint(s.min_grade, inc.step, s.min_steps_back, st.lineage)
-        return Transition(st, (select,))
+        return Transition(st, (_rollback_select(st, inc),))
     if p is Phase.RELAUNCHING and st.plan is not None:
         plan = st.plan
         if plan.generation <= st.max_generation:  # that launch may have begun: a new number
@@ -741,6 +907,12 @@ def resume(state: State, obs: CheckpointChosen) -> Transition:
             "supervisor restart: resuming from the newest healthy checkpoint "
             f"(step {obs.step}, S{obs.grade}) with LR scale {state.lr_scale:.4g}"
         )
+        if state.preempted_from is not None:
+            code = Reason.RESUME_AFTER_PREEMPTION
+            why = (
+                "resuming a preempted run from its newest checkpoint "
+                f"(step {obs.step}, S{obs.grade}) with LR scale {state.lr_scale:.4g}"
+            )
     event = _ev(
         Kind.RESUME,
         code,
@@ -755,6 +927,11 @@ def resume(state: State, obs: CheckpointChosen) -> Transition:
         plan=plan.to_dict(),
     )
     st = _replace(
-        state, phase=Phase.RELAUNCHING, plan=plan, relaunch_cause="restart", launch_failures=0
+        state,
+        phase=Phase.RELAUNCHING,
+        plan=plan,
+        relaunch_cause="restart",
+        launch_failures=0,
+        preempted_from=None,
     )
     return Transition(st, (Launch(plan),), (event,))

@@ -43,6 +43,12 @@ class Phase(str, enum.Enum):
     """The relaunched generation must train a window of steps without another incident."""
     HOLDING = "HOLDING"
     """The budget is spent and the policy says hold: ranks killed, waiting for a human."""
+    PREEMPTING = "PREEMPTING"
+    """The supervisor was told to go (SIGTERM: pod eviction, spot reclaim, ``ray job stop``): the
+    ranks are asked for an emergency checkpoint within a grace period."""
+    PREEMPTED = "PREEMPTED"
+    """The supervisor went away on purpose (exit 143); ``spikeguard submit`` on the same run
+    directory resumes the run where it was."""
     ESCALATED = "ESCALATED"
     """Automatic recovery gave up; the job stopped (exit 3)."""
     COMPLETED = "COMPLETED"
@@ -55,6 +61,9 @@ class Phase(str, enum.Enum):
 
 TERMINAL = frozenset({Phase.ESCALATED, Phase.COMPLETED, Phase.FAILED, Phase.STOPPED})
 """Phases that end the run: no observation changes them."""
+
+EXITS = TERMINAL | {Phase.PREEMPTED}
+"""Phases in which the supervisor process exits (a preempted run is resumed by the next one)."""
 
 ACTIVE = (Phase.RUNNING, Phase.PROBATION)
 """Phases in which ranks train and report."""
@@ -74,6 +83,9 @@ class Settings:
     """Roll back only to checkpoints graded at least this (S4)."""
     min_steps_back: int = 0
     """The checkpoint must be at least this many steps before the incident."""
+    fallback_on_corrupt: bool = True
+    """A checkpoint that fails verification falls back to the next older one; False: the
+    incident escalates instead (a corrupt checkpoint is a storage problem for a human)."""
     lr_factors: tuple[float, ...] = (0.5,)
     """LR factor per attempt (the last one repeats); the scale compounds."""
     reset_optimizer: bool = True
@@ -130,6 +142,12 @@ class Incident:
     settings: Settings
     attempts: int = 0
     """Recoveries already started for this incident."""
+    fault: bool = False
+    """A crash or a hang, not a numerical instability: it rolls back to the newest checkpoint
+    that verifies (whatever its grade) at or before the furthest step any rank reached, from the
+    job's start when there is none, and waits a backoff before each relaunch."""
+    furthest_step: int | None = None
+    """The furthest step any rank had reported when the incident (or attempt) opened."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,17 +180,40 @@ class State:
     """Why the pending launch happens (set from RELAUNCHING until the launch is done)."""
     resume_to: Phase | None = None
     """The phase to return to after a launch retry or a supervisor restart (RUNNING/PROBATION)."""
+    preempted_from: Phase | None = None
+    """The phase a preemption interrupted (PREEMPTING, PREEMPTED): where a resume goes back to."""
+    requests_sent: int = 0
+    """Requests sent to the ranks so far (each request's id is its number)."""
+    probation_reported: int = 0
+    """Tenths of the probation window already reported (``probation_progress``)."""
     unjournaled: tuple[Observation, ...] = ()
     """Observations that changed the state without an event yet; the next event records them."""
 
 
 def state_digest(state: State) -> str:
     """A short, stable fingerprint of ``state`` (journaled beside the observations, so a replay
-    of the journal can prove it rebuilt exactly the live state)."""
-    d = dataclasses.asdict(dataclasses.replace(state, unjournaled=()))
-    d.pop("unjournaled")
-    text = json.dumps(d, sort_keys=True, default=str)
+    of the journal can prove it rebuilt exactly the live state).
+
+    Fields at their default value are left out, recursively: a field added later with a
+    default that keeps the old behaviour leaves the digests of older journals valid.
+    """
+    compact = _non_default(dataclasses.replace(state, unjournaled=()))
+    text = json.dumps(compact, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _non_default(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {}
+        for f in dataclasses.fields(value):
+            v = getattr(value, f.name)
+            if f.default is not dataclasses.MISSING and v == f.default:
+                continue
+            out[f.name] = _non_default(v)
+        return out
+    if isinstance(value, (tuple, list)):
+        return [_non_default(v) for v in value]
+    return value
 
 
 # ---- observations (inputs) ---------------------------------------------------------------------
@@ -232,6 +273,42 @@ class Recover:
     step: int
     settings: Settings
     details: dict[str, Any] = dataclasses.field(default_factory=dict, metadata=EVENT_ONLY)
+    fault: bool = False
+    """It fired on a rank's exit or silence (a crash or a hang), not on a training signal."""
+    furthest_step: int | None = None
+    """The furthest step any rank of the generation had reported."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointWanted:
+    """A policy rule with ``action: checkpoint`` fired: the ranks should save at the next step."""
+
+    reason: str
+    details: dict[str, Any] = dataclasses.field(default_factory=dict, metadata=EVENT_ONLY)
+    """rule, action, severity, signal, value, rank, layer, step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Preempt:
+    """The supervisor must go (SIGTERM): save what can be saved, then stop resumably."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSaved:
+    """A rank published a checkpoint answering request ``request_id``."""
+
+    request_id: int
+    path: str
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GraceExpired:
+    """No checkpoint answered request ``request_id`` within the controller's grace period."""
+
+    request_id: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +343,9 @@ class CheckpointChosen:
     grade: int | None = None
     skipped: tuple[tuple[str, str], ...] = ()
     """(path, why) of every newer checkpoint passed over."""
+    corrupt: str | None = None
+    """The checkpoint whose failed verification ended the search (``fallback_on_corrupt``
+    False), if that is why nothing was chosen."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,6 +385,10 @@ class Restarted:
 
 Observation = (
     Start
+    | CheckpointWanted
+    | Preempt
+    | CheckpointSaved
+    | GraceExpired
     | Launched
     | LaunchFailed
     | RankExited
@@ -333,11 +417,14 @@ class Kill:
 class SelectCheckpoint:
     """Choose the newest qualifying checkpoint; answer with :class:`CheckpointChosen`."""
 
-    min_grade: int
+    min_grade: int | None
+    """None: any grade, ungraded included (crashes, hangs, resumes)."""
     before_step: int | None
     min_steps_back: int
     lineage: tuple[tuple[int, int | None], ...] = ()
     """Only checkpoints on this lineage qualify (see :attr:`State.lineage`)."""
+    fallback_on_corrupt: bool = True
+    """A checkpoint failing verification falls back to older ones (False: nothing is chosen)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,13 +438,25 @@ class Launch:
 
 
 @dataclasses.dataclass(frozen=True)
+class RequestCheckpoint:
+    """Ask every rank to save a checkpoint at its next step boundary (request ``request_id``).
+
+    ``wait``: answer with :class:`CheckpointSaved` or, after the grace period,
+    :class:`GraceExpired`."""
+
+    request_id: int
+    reason: str
+    wait: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Shutdown:
     """The run is over: stop accepting reports; the process exits with ``exit_code``."""
 
     exit_code: int
 
 
-Effect = Kill | SelectCheckpoint | Launch | Shutdown
+Effect = Kill | SelectCheckpoint | Launch | RequestCheckpoint | Shutdown
 Event = dict[str, Any]
 
 

@@ -184,7 +184,7 @@ def main() -> int:
             batch_ids=[step, rank],
             extra={"adam_steps": adam_steps, "gen": gen},
         )
-        if rank == 0 and args.ckpt_every and step > 0 and step % args.ckpt_every == 0:
+        if sg.should_checkpoint(step, every=args.ckpt_every) and rank == 0:
             sg.save_checkpoint(
                 {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
                 step=step,

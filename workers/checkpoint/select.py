@@ -115,7 +115,7 @@ def on_lineage(lineage: Sequence[tuple[int, int | None]], generation: int, step:
 def _skip_reason(
     info: CheckpointInfo,
     *,
-    min_grade: int,
+    min_grade: int | None,
     step_limit: int | None,
     min_steps_back: int,
     lineage: Sequence[tuple[int, int | None]] | None,
@@ -125,6 +125,8 @@ def _skip_reason(
         return f"generation {info.generation} step {info.step} is off the current lineage"
     if step_limit is not None and info.step > step_limit:
         return f"step {info.step} > {step_limit} = before_step - min_steps_back {min_steps_back}"
+    if min_grade is None:
+        return None  # any grade, ungraded included
     if info.grade is None:
         return "ungraded (no integer 'grade' in meta)"
     if info.grade < min_grade:
@@ -135,11 +137,12 @@ def _skip_reason(
 def select_checkpoint(
     infos: list[CheckpointInfo],
     *,
-    min_grade: int,
+    min_grade: int | None,
     before_step: int | None,
     min_steps_back: int = 0,
     lineage: Sequence[tuple[int, int | None]] | None = None,
     verify_fn: Callable[[CheckpointInfo], None] = verify,
+    fallback_on_corrupt: bool = True,
 ) -> tuple[CheckpointInfo | None, list[tuple[CheckpointInfo, str]]]:
     """Choose the checkpoint to roll back to; pass it one rank's checkpoints.
 
@@ -147,9 +150,11 @@ def select_checkpoint(
 
     * lies on ``lineage`` (see :func:`on_lineage`), if ``lineage`` is given;
     * has step <= ``before_step - min_steps_back`` (no bound if ``before_step`` is None);
-    * has grade >= ``min_grade`` (ungraded checkpoints never qualify);
-    * passes ``verify_fn``: a :class:`CheckpointError` from it falls back to older checkpoints,
-      any other error propagates.
+    * has grade >= ``min_grade`` (ungraded checkpoints never qualify; ``min_grade`` None: any
+      grade, ungraded included);
+    * passes ``verify_fn``: a :class:`CheckpointError` from it falls back to older checkpoints
+      (with ``fallback_on_corrupt`` False it ends the search: nothing is chosen), any other
+      error propagates.
 
     Returns (the choice or None, [(skipped, reason)] for each newer checkpoint passed over, for the
     journal). Pure apart from ``verify_fn``. Raises ValueError if ``min_steps_back`` is negative,
@@ -176,6 +181,8 @@ def select_checkpoint(
             verify_fn(info)
         except CheckpointError as e:
             skipped.append((info, f"failed verification: {e}"))
+            if not fallback_on_corrupt:
+                return None, skipped
             continue
         return info, skipped
     return None, skipped

@@ -20,4 +20,7 @@ class ExitCode(enum.IntEnum):
     STOPPED = 5
     """Stopped by ``spikeguard stop`` or a policy ``stop`` rule."""
     INTERRUPTED = 130
-    """Ctrl-C / SIGTERM."""
+    """Ctrl-C: the run is stopped (a re-submit says so and starts nothing)."""
+    PREEMPTED = 143
+    """SIGTERM (pod eviction, spot reclaim, ``ray job stop``): after an emergency checkpoint the
+    supervisor went away on purpose; ``spikeguard submit`` on the same run directory resumes."""

@@ -49,6 +49,8 @@ from .settings import SlackSettings
 
 log = logging.getLogger("spikeguard.slack")
 Journal = Callable[[dict], None]
+RUN_OUTCOMES = ("completed", "failed", "stopped", "preempted")
+"""How a run ended (or went away resumably): posted whatever the routes say."""
 RECOVERY_KINDS = (
     Kind.INCIDENT,
     Kind.KILL,
@@ -117,6 +119,8 @@ class SlackNotifier:
         self._queue: deque[_Op] = deque()
         self._overflow: list[_Op] = []
         self._incidents: dict[str, _Incident] = {}
+        self._muted: set[str] = set()
+        """Incidents whose severity the routes keep off Slack."""
         self._dedupe: dict[tuple, list[float]] = {}
         self._progress_at: dict[str, float] = {}
         self._busy = self._closing = False
@@ -153,6 +157,8 @@ class SlackNotifier:
         with self._cv:
             for ev in events:
                 kind, inc = ev.get("kind"), ev.get("incident")
+                if kind != "notify_thread" and not self._routed(ev):
+                    continue
                 if kind == "notify_thread" and inc and ev.get("channel") and ev.get("ts"):
                     ref = self._incident(ev)
                     ref.thread = _Thread(str(ev["channel"]), str(ev["ts"]), ref.view.version)
@@ -212,11 +218,28 @@ class SlackNotifier:
     def _root(self, view: IncidentView) -> SlackMessage:
         return root_message(view, self._links, self.settings.mention)
 
+    def _routed(self, ev: Mapping[str, Any]) -> bool:
+        """Whether the policy's routes send this event's severity to Slack (an incident's
+        later steps follow its first event)."""
+        kind, inc = ev.get("kind"), ev.get("incident")
+        if kind == "incident" and inc not in self._incidents:
+            routed = str(ev.get("severity") or "warn") in self.settings.severities
+            if not routed:
+                self._muted.add(str(inc))
+            return routed
+        if kind == "alert" and not (inc and inc in self._incidents):
+            return str(ev.get("severity") or "warn") in self.settings.severities
+        return str(inc) not in self._muted or kind in RUN_OUTCOMES
+
     def _plan(self, ev: dict) -> list[_Op]:
         kind, inc, s = ev.get("kind"), ev.get("incident"), self.settings
+        if not self._routed(ev):
+            return []
         if kind == "alert" and not self._dedupe_pass(ev):
             return []
-        if kind == "completed" or (kind in ("failed", "stopped") and inc not in self._incidents):
+        if kind in ("completed", "preempted") or (
+            kind in ("failed", "stopped") and inc not in self._incidents
+        ):
             return [
                 _Op("post", f"run {kind}", None, run_message(ev, self.run, self._links, s.mention))
             ]
@@ -274,10 +297,15 @@ class SlackNotifier:
 
     @staticmethod
     def _alert_key(ev: Mapping[str, Any]) -> tuple:
-        return tuple(ev.get(k) for k in ("rule", "severity", "signal", "rank", "layer"))
+        # a resolved alert is news of its own, not a repeat of the firing one
+        keys = ("rule", "severity", "signal", "rank", "layer", "resolved")
+        return tuple(bool(ev.get(k)) if k == "resolved" else ev.get(k) for k in keys)
 
     def _dedupe_pass(self, ev: Mapping[str, Any]) -> bool:
-        """True when this alert should be sent; counts the repeats it suppresses."""
+        """True when this alert should be sent; counts the repeats it suppresses. A reminder
+        that a rule still holds (``repeated``, paced by the policy engine) always passes."""
+        if ev.get("repeated"):
+            return True
         now = parse_time(ev.get("time")) or time.time()
         entry = self._dedupe.get(self._alert_key(ev))
         if entry is not None and now - entry[0] < self.settings.repeat_interval_s:

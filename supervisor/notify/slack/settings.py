@@ -45,6 +45,10 @@ class SlackSettings:
     """At most one ``probation_progress`` reply per incident per interval."""
     timeout_s: float = 10.0
     """HTTP timeout of one Slack call."""
+    severities: tuple[str, ...] = ("info", "warn", "page")
+    """The severities Slack receives (the policy's ``notify.routes``): an alert or an incident
+    thread of another severity is not posted; run outcomes (completed, failed, stopped,
+    preempted) always are."""
     chart: bool = True
     """Upload a chart (grade, attention entropy, loss) into each incident thread (bot mode)."""
     api_url: str = DEFAULT_API_URL
