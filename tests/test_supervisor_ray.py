@@ -19,7 +19,9 @@ def run(job) -> int:
 
 
 def story(run_dir: Path) -> list[dict]:
-    return read_jsonl(run_dir / "journal.jsonl")
+    """The journal without the periodic probation reports (checked on their own)."""
+    evs = read_jsonl(run_dir / "journal.jsonl")
+    return [e for e in evs if e["kind"] != "probation_progress"]
 
 
 def test_collapse_is_recovered_from_the_chosen_checkpoint_with_cut_lr_and_fresh_optimizer(
@@ -43,6 +45,11 @@ def test_collapse_is_recovered_from_the_chosen_checkpoint_with_cut_lr_and_fresh_
         "probation_passed",
         "completed",
     ]
+    progress = [
+        e for e in read_jsonl(run_dir / "journal.jsonl") if e["kind"] == "probation_progress"
+    ]
+    assert progress and all(e["incident"] == "inc-001" for e in progress)
+    assert [e["step"] for e in progress] == sorted(e["step"] for e in progress)
     inc = evs[1]
     assert inc["rule"] == "loss-spike" and 60 <= inc["step"] <= 64
     rb = evs[3]

@@ -20,6 +20,11 @@ the step this generation started at. Modes:
 ``garbage``      before the step, write malformed/invalid lines to its own report socket
 ``finish``       exit 0 before the step; from that step on no rank uses collectives (uneven data)
 ``slow``         from this step on sleep ``--slow-sleep`` seconds per step (a straggler)
+``hostile``      before the step: write hostile lines onto its own report socket (JSON nested
+                 5000 deep, 400-digit numbers in step/loss/grade/a layer signal, a ``dropped``
+                 count that is a string), send an unencodable report through the SDK, plant
+                 look-alike checkpoints (a 400-digit grade, deep JSON, a FIFO data file, a
+                 symlink loop) and dump its environment's names to ``$SG_ENV_OUT``; then exit 3
 """
 
 from __future__ import annotations
@@ -88,6 +93,62 @@ def write_garbage(gen: int) -> None:
         s.sendall(b"\n".join(lines) + b"\n")
 
 
+def hostile(sg: sgw.Session, gen: int, step: int) -> None:
+    """Everything a hostile or broken rank can throw at the supervisor (see ``hostile``)."""
+    import json
+    import socket
+
+    rank = int(os.environ.get("RANK", 0))
+    ok = {"v": 1, "type": "report", "run": "toy", "gen": gen, "rank": rank, "step": step, "t": 0}
+    huge = int("9" * 400)
+    lines = [
+        b"[" * 5000 + b"]" * 5000,
+        json.dumps({**ok, "type": "heartbeat", "step": huge}).encode(),
+        json.dumps({**ok, "type": "heartbeat", "loss": huge}).encode(),
+        json.dumps({**ok, "summary": {"grade": huge}, "layers": {}}).encode(),
+        json.dumps({**ok, "layers": {"blocks.0": {"max_logit": huge}}, "summary": {}}).encode(),
+        json.dumps({**ok, "type": "dropped", "count": "x"}).encode(),
+    ]
+    addr = os.environ.get("SPIKEGUARD_REPORT", "")
+    if addr.startswith("unix://"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(addr[len("unix://") :])
+            s.sendall(b"\n".join(lines) + b"\n")
+    # unencodable through the SDK: a tensor of 2 values, a tuple key, an object
+    sg.step(step=step, loss=1.0, extra={"t": torch.ones(2), (1, 2): "k", "o": object()})
+    ckpt = os.environ.get("SPIKEGUARD_CKPT_DIR")
+    if ckpt:
+        os.makedirs(ckpt, exist_ok=True)
+        fake = {"format": "spikeguard-checkpoint", "version": 1, "rank": 0, "size": 1, "meta": {}}
+        fake["sha256"] = "0" * 64
+        for s, extra in ((900, {"grade": huge}), (901, {"grade": 1e308})):
+            name = f"ckpt-step{s:08d}-gen{gen:03d}-rank0.pt"
+            with open(os.path.join(ckpt, name), "wb") as f:
+                f.write(b"x")
+            side = dict(fake, step=s, generation=gen, file=name, meta=extra)
+            with open(os.path.join(ckpt, name + ".json"), "w") as f:
+                f.write(json.dumps(side))
+        deep = f"ckpt-step{902:08d}-gen{gen:03d}-rank0.pt"
+        with open(os.path.join(ckpt, deep), "wb") as f:
+            f.write(b"x")
+        with open(os.path.join(ckpt, deep + ".json"), "w") as f:
+            f.write("[" * 20000 + "]" * 20000)
+        fifo = f"ckpt-step{903:08d}-gen{gen:03d}-rank0.pt"
+        os.mkfifo(os.path.join(ckpt, fifo))
+        side = dict(fake, step=903, generation=gen, file=fifo, meta={"grade": 7})
+        with open(os.path.join(ckpt, fifo + ".json"), "w") as f:
+            f.write(json.dumps(side))
+        loop = f"ckpt-step{904:08d}-gen{gen:03d}-rank0.pt"
+        os.symlink(loop + ".json", os.path.join(ckpt, loop + ".json.tmp"))
+        os.symlink(loop + ".json.tmp", os.path.join(ckpt, loop + ".json"))
+        os.symlink(loop, os.path.join(ckpt, loop))
+    out = os.environ.get("SG_ENV_OUT")
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(sorted(os.environ)) + "\n")
+            f.write(json.dumps(sorted(os.environ.values())) + "\n")
+
+
 def zombie(sg: sgw.Session, model: torch.nn.Module, step: int) -> None:
     """Freeze; once continued, behave like a rank that outlived its generation and keeps
     training."""
@@ -150,6 +211,11 @@ def main() -> int:
             return 0
         if mode == "garbage":
             write_garbage(gen)
+        if mode == "hostile":
+            print(f"rank {rank}: hostile at step {step}", flush=True)
+            hostile(sg, gen, step)
+            time.sleep(1.0)  # let the channel's writer send what it queued, then crash
+            return 3
         slow = slow or mode == "slow"
         collapsing = collapsing or mode == "collapse"
         nan = nan or mode == "nan"
