@@ -46,3 +46,15 @@ MESSAGE_TYPES = (
 
 SUPERVISOR_MESSAGE_TYPES = ("exit", "hang")
 """What the supervisor synthesises for the policy engine."""
+
+MAX_LINE_BYTES = 1 << 20
+"""The longest line (newline excluded) a message may take; longer ones are dropped unread."""
+
+MAX_DEPTH = 32
+"""How deeply a message may nest lists and objects (the message itself is level 1; a report's
+``layers`` go 3 deep). Deeper messages are refused by the channel and dropped by the collector."""
+
+MAX_SAFE_INT = 2**53
+"""The largest magnitude of an integer the supervisor reads (``step``, ``gen``, ``rank``, the
+metrics, ``summary`` and ``layers`` values, ``count``...): beyond it a float cannot hold it
+exactly, and far beyond it converting it to a float raises. Such a message is dropped."""
