@@ -28,6 +28,7 @@ from spikeguard.workers.contract.messages import (
     MAX_LINE_BYTES,
     MAX_SAFE_INT,
     MESSAGE_TYPES,
+    too_deep,
 )
 
 METRICS = ("loss", "lr", "grad_norm")
@@ -58,26 +59,6 @@ def parse(line: bytes | str) -> dict[str, Any]:
     if why is not None:
         raise Rejected(why)
     return msg
-
-
-def too_deep(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests lists and dicts more than ``limit`` levels (iteratively: a value
-    nested deeper than the interpreter's recursion limit is answered too)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        if depth > limit:
-            return True
-        for child in children:
-            if isinstance(child, (dict, list)):
-                stack.append((child, depth + 1))
-    return False
 
 
 def problem(msg: dict[str, Any]) -> str | None:
