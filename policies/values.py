@@ -169,7 +169,8 @@ def parse_duration(v: Any, units: tuple[str, ...]) -> Duration:
         h, mi, s = m.groups()
         seconds: float = _bounded(h or "0") * 3600 + _bounded(mi or "0") * 60
         if s:
-            seconds += _bounded(s.partition(".")[0]) + float("0." + (s.partition(".")[2] or "0"))
+            _bounded(s.partition(".")[0])  # the whole seconds; the fraction cannot overflow
+            seconds += float(s)
         if seconds > MAX_INT:
             fail(f"{show(v)} is too long: at most 2^53 ({MAX_INT}) seconds")
         d = Duration(seconds, "seconds")

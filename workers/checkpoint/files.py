@@ -44,8 +44,10 @@ def kind(mode: int) -> str:
 
 def check_regular(path: str, mode: int) -> None:
     """Raise :class:`NotRegularFile` unless ``mode`` (an ``st_mode``) is a regular file's."""
+    if stat.S_ISLNK(mode):
+        raise NotRegularFile(f"{path} is a symbolic link, not a regular file (never followed)")
     if not stat.S_ISREG(mode):
-        raise NotRegularFile(f"{path} is {kind(mode)}, not a regular file (never followed)")
+        raise NotRegularFile(f"{path} is {kind(mode)}, not a regular file")
 
 
 def lstat_regular(path: str) -> os.stat_result:
