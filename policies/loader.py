@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from spikeguard.workers.contract.secrets import Finding, secret_key, secret_value
 
+from .limits import MAX_DEPTH, MAX_FILE_BYTES, int_problem, read_capped, too_large_text
 from .schema import Policy
 from .values import show, suggest
 
@@ -49,6 +50,30 @@ class _PolicyLoader(yaml.SafeLoader):
         for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
 
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = 0
+        """How many collections enclose the node being composed."""
+        self.nodes = 0
+        """How many nodes were composed so far."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        """Compose the next node, refusing a collection nested deeper than ``MAX_DEPTH`` before
+        the composer's recursion gets there, and a document of more than ``MAX_NODES`` nodes
+        before composing the rest of it."""
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise _Refused(self.peek_event().start_mark, _too_many())
+        if not self.check_event(yaml.SequenceStartEvent, yaml.MappingStartEvent):
+            return super().compose_node(parent, index)
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise _Refused(self.peek_event().start_mark, _too_deep())
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
     def construct_yaml_int(self, node: yaml.Node) -> int:  # type: ignore[override]
         text = str(self.construct_scalar(node))  # type: ignore[arg-type]
         if text.startswith(("0x", "0o")):
@@ -67,6 +92,22 @@ _PolicyLoader.add_implicit_resolver(_Y + "int", _INT_RE, list("-+0123456789"))
 _PolicyLoader.add_implicit_resolver(_Y + "float", _FLOAT_RE, list("-+0123456789."))
 _PolicyLoader.add_constructor(_Y + "int", _PolicyLoader.construct_yaml_int)
 _PolicyLoader.add_constructor(_Y + "float", _PolicyLoader.construct_yaml_float)
+
+
+class _Refused(Exception):
+    """A limit of :mod:`.limits` hit while composing, at ``mark``."""
+
+    def __init__(self, mark: Any, message: str) -> None:
+        super().__init__(message)
+        self.mark, self.message = mark, message
+
+
+def _too_deep() -> str:
+    return f"nested more than {MAX_DEPTH} levels"
+
+
+def _too_many() -> str:
+    return f"the document has more than {MAX_NODES} nodes (too many aliases?)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,12 +174,11 @@ class _Positions:
     def walk(self, node: yaml.Node, path: tuple) -> None:
         self.count += 1
         if self.count > MAX_NODES:
-            raise _fail(
-                self.file,
-                node.start_mark,
-                f"the document has more than {MAX_NODES} nodes (too many aliases?)",
-            )
+            raise _fail(self.file, node.start_mark, _too_many())
         self.values.setdefault(path, node)
+        if isinstance(node, yaml.CollectionNode) and len(path) >= MAX_DEPTH:
+            # deeper than the composer allows: only an alias (a recursive one, say) gets here
+            raise _fail(self.file, node.start_mark, _too_deep() + " (through an alias)")
         if node.tag not in _PLAIN_TAGS:
             tag = node.tag.replace(_Y, "!!")
             raise _fail(
@@ -149,6 +189,10 @@ class _Positions:
                 format_path(path),
             )
         if isinstance(node, yaml.ScalarNode):
+            if node.tag == _Y + "int":
+                problem = int_problem(node.value)
+                if problem is not None:
+                    raise _fail(self.file, node.start_mark, problem, format_path(path))
             what = secret_value(node.value) if self.secrets else None
             if self.secrets and what:
                 finding = Finding(path, in_key=False, what=what)
@@ -343,6 +387,9 @@ def _from_validation(
 
 
 def _parse(text: str, filename: str, secrets: str | None) -> tuple[dict, _Positions]:
+    n_bytes = len(text.encode("utf-8", "replace"))
+    if n_bytes > MAX_FILE_BYTES:
+        raise _fail(filename, None, too_large_text(n_bytes))
     loader = _PolicyLoader(text)
     try:
         node = loader.get_single_node()
@@ -359,6 +406,8 @@ def _parse(text: str, filename: str, secrets: str | None) -> tuple[dict, _Positi
         if e.context and cm is not None and e.problem:
             problem += f" ({e.context.strip()} at line {cm.line + 1}, column {cm.column + 1})"
         raise _fail(filename, mark, f"YAML syntax error: {problem}") from None
+    except _Refused as e:
+        raise _fail(filename, e.mark, e.message) from None
     except yaml.YAMLError as e:
         raise _fail(filename, None, f"YAML error: {e}") from None
     finally:
@@ -417,8 +466,9 @@ def load_policy_text(text: str, filename: str = "<string>") -> Policy:
 
 
 def _read(path: str | Path, hint: str = "") -> str:
+    """The text of a policy or job file; every way it cannot be read is a :class:`PolicyError`."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return read_capped(path)
     except FileNotFoundError:
         raise _fail(str(path), None, f"no such file{hint}") from None
     except IsADirectoryError:
@@ -427,6 +477,8 @@ def _read(path: str | Path, hint: str = "") -> str:
         raise _fail(
             str(path), None, f"cannot read: {e.strerror if isinstance(e, OSError) else e}"
         ) from None
+    except ValueError as e:  # larger than the cap
+        raise _fail(str(path), None, str(e)) from None
 
 
 def builtin_path(name: str) -> Any:

@@ -18,6 +18,8 @@ from spikeguard.workers.contract.signals import SIGNALS, is_grade
 from spikeguard.workers.contract.signals import format_grade as contract_format_grade
 from spikeguard.workers.contract.signals import parse_grade as contract_parse_grade
 
+from .limits import MAX_INT, int_problem
+
 
 def fail(msg: str, at: str | int | tuple = (), *, key: bool = False) -> NoReturn:
     """Raise a validation error whose message is ``msg``.
@@ -162,10 +164,16 @@ def parse_duration(v: Any, units: tuple[str, ...]) -> Duration:
         d = v
     elif isinstance(v, str) and (m := _COUNT_RE.match(v)):
         unit = m.group(2) if m.group(2).endswith("s") else m.group(2) + "s"
-        d = Duration(int(m.group(1)), unit)  # type: ignore[arg-type]
+        d = Duration(_bounded(m.group(1)), unit)  # type: ignore[arg-type]
     elif isinstance(v, str) and v.strip() and (m := _TIME_RE.match(v)):
         h, mi, s = m.groups()
-        d = Duration(int(h or 0) * 3600 + int(mi or 0) * 60 + float(s or 0), "seconds")
+        seconds: float = _bounded(h or "0") * 3600 + _bounded(mi or "0") * 60
+        if s:
+            _bounded(s.partition(".")[0])  # the whole seconds; the fraction cannot overflow
+            seconds += float(s)
+        if seconds > MAX_INT:
+            fail(f"{show(v)} is too long: at most 2^53 ({MAX_INT}) seconds")
+        d = Duration(seconds, "seconds")
     else:
         fail(
             f"expected a duration like {_examples(units)}, got {show(v)}"
@@ -178,6 +186,15 @@ def parse_duration(v: Any, units: tuple[str, ...]) -> Duration:
     if d.unit not in units:
         fail(f"{str(d)!r} is measured in {d.unit}; here write {_examples(units)}")
     return d
+
+
+def _bounded(digits: str) -> int:
+    """The count written ``digits`` as an int; a policy error beyond 2^53 (checked before
+    converting: ``int()`` refuses more than 4300 digits with an unhelpful message)."""
+    problem = int_problem(digits)
+    if problem is not None:
+        fail(problem)
+    return int(digits)
 
 
 def _examples(units: tuple[str, ...]) -> str:
@@ -203,9 +220,11 @@ def _step_count(v: Any) -> int:
     if isinstance(v, int) and not isinstance(v, bool):
         if v < 0:
             fail(f"must be 0 or more steps, got {v}")
+        if v > MAX_INT:
+            fail(f"must be at most 2^53 ({MAX_INT}) steps")
         return v
     if isinstance(v, str) and (m := _COUNT_RE.match(v)) and m.group(2).startswith("step"):
-        return int(m.group(1))
+        return _bounded(m.group(1))
     fail(f"expected a number of steps like 200 or '200 steps', got {show(v)}")
 
 

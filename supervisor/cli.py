@@ -40,6 +40,13 @@ def _submit(args: argparse.Namespace) -> int:
     except (PolicyError, OSError) as e:
         print(f"spikeguard: {e}", file=sys.stderr)
         return ExitCode.BAD_INPUT
+    except Exception as e:  # a job or policy the loader did not foresee: one line, never a trace
+        print(
+            f"spikeguard: {args.job}: cannot load the job or its policy "
+            f"({type(e).__name__}: {str(e)[:200]})",
+            file=sys.stderr,
+        )
+        return ExitCode.BAD_INPUT
     return run_job(job, live=not args.quiet)
 
 

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 from typing import Any
 
-from spikeguard.workers.contract.messages import FORMAT_VERSION, MESSAGE_TYPES
+from spikeguard.workers.contract.messages import FORMAT_VERSION
 
+from . import validate
 from .launch.types import RankPoll
-
-_NUMERIC = ("loss", "lr", "grad_norm")
 
 
 @dataclasses.dataclass
@@ -72,19 +70,22 @@ class Collector:
 
     # -- input ----------------------------------------------------------------------------------
     def ingest(self, rank: int, line: bytes | str, now: float) -> dict[str, Any] | None:
-        """Validate one line from ``rank``; returns the accepted message (with ``at``) or None."""
+        """Validate one line from ``rank``; returns the accepted message (with ``at``) or None.
+
+        Never raises: a line that cannot be used (:mod:`.validate`), of an unknown rank or of a
+        fenced generation is dropped and counted in ``dropped`` by reason. One bad line costs
+        that line only.
+        """
         try:
-            msg = json.loads(line)
-        except (ValueError, UnicodeDecodeError):
+            return self._accept(rank, line, now)
+        except validate.Rejected as e:
+            self._drop(e.reason)
+        except Exception:  # a case validation missed must cost one line, not the supervisor
             self._drop("malformed")
-            return None
-        if not isinstance(msg, dict):
-            self._drop("malformed")
-            return None
-        why = _invalid(msg)
-        if why:
-            self._drop(why)
-            return None
+        return None
+
+    def _accept(self, rank: int, line: bytes | str, now: float) -> dict[str, Any] | None:
+        msg = validate.parse(line)
         if msg["rank"] != rank or rank not in self.ranks:
             self._drop("unknown_rank")
             return None
@@ -99,7 +100,7 @@ class Collector:
             self.rank_dropped = max(self.rank_dropped, int(msg.get("count") or 0))
         if msg["type"] in ("heartbeat", "report"):
             v.step = msg["step"]
-            for k in _NUMERIC:
+            for k in validate.METRICS:
                 setattr(v, k, msg.get(k))
             if msg["type"] == "report":
                 v.summary = dict(msg.get("summary") or {})
@@ -224,24 +225,6 @@ class Collector:
 
     def _drop(self, why: str) -> None:
         self.dropped[why] += 1
-
-
-def _invalid(msg: dict[str, Any]) -> str | None:
-    if msg.get("v") != FORMAT_VERSION:
-        return "bad_version"
-    if msg.get("type") not in MESSAGE_TYPES:
-        return "unknown_type"
-    for k in ("rank", "gen", "step"):
-        if not isinstance(msg.get(k), int) or isinstance(msg.get(k), bool):
-            return "wrong_type"
-    for k in _NUMERIC:
-        x = msg.get(k)
-        if x is not None and (not isinstance(x, (int, float)) or isinstance(x, bool)):
-            return "wrong_type"
-    for k in ("summary", "layers"):
-        if k in msg and not isinstance(msg[k], dict):
-            return "wrong_type"
-    return None
 
 
 def is_finite(x: Any) -> bool:

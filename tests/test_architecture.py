@@ -79,6 +79,7 @@ def test_the_cli_runs_without_torch():
 PURE = [
     "spikeguard.supervisor.recovery",
     "spikeguard.supervisor.collector",
+    "spikeguard.supervisor.validate",
     "spikeguard.supervisor.events",
     "spikeguard.supervisor.journal",
     "spikeguard.supervisor.controller",

@@ -213,6 +213,27 @@ def test_refuses_bad_meta_cycles_and_unsafe_tensor_attributes(tmp_path: Path) ->
     assert _files(tmp_path) == []
 
 
+def test_refuses_what_the_listing_would_refuse_before_writing(tmp_path: Path) -> None:
+    """A checkpoint the supervisor could never list is never written: the sidecar's size and
+    nesting caps and the 2^53 bound on its integers are checked first."""
+    deep: Any = 1
+    for _ in range(80):
+        deep = [deep]
+    for meta, why in (
+        ({"pad": "x" * (2 << 20)}, "larger than"),
+        ({"deep": deep}, "nested more than"),
+    ):
+        with pytest.raises(CheckpointError, match=why):
+            ckpt.write_checkpoint(tmp_path, {"w": torch.ones(2)}, step=1, generation=1, meta=meta)
+    with pytest.raises(CheckpointError, match="2\\^53"):
+        ckpt.write_checkpoint(tmp_path, {"w": torch.ones(2)}, step=2**60, generation=1, meta={})
+    assert _files(tmp_path) == []
+    info = ckpt.write_checkpoint(  # at the limits: written, and listed
+        tmp_path, {"w": torch.ones(2)}, step=2**53, generation=1, meta={"grade": np.float32(6)}
+    )
+    assert ckpt.list_checkpoints(tmp_path) == [info] and info.grade == 6
+
+
 def test_fence_refusal_publishes_nothing(tmp_path: Path) -> None:
     calls: list[int] = []
 

@@ -130,3 +130,90 @@ def test_a_teardown_crash_after_done_counts_as_finished_but_is_kept(col):
     assert msg["code"] == 0 and msg["teardown_code"] == -6
     assert col.exit(1, -6, generation=2, now=102)["code"] == -6  # no `done`: a real crash
     assert not col.all_finished()
+
+
+# -- hostile lines: each one is dropped and counted, none raises -------------------------------
+BIG = 10**400  # parses as a Python int; float(BIG) raises OverflowError
+DEEP = (
+    b'{"v":1,"type":"heartbeat","run":"r","gen":2,"rank":0,"step":5,"t":0,"x":'
+    + b"[" * 5000
+    + b"]" * 5000
+    + b"}"
+)
+
+
+def _nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "raw,why",
+    [
+        (DEEP, "malformed"),  # json.loads raises RecursionError
+        (line(extra=_nested(40)), "malformed"),  # parses, but deeper than any message nests
+        (b'{"v":1,"type":"heartbeat","gen":2,"rank":0,"step":Infinity,"t":0}', "wrong_type"),
+        (b'{"v":1,"type":"heartbeat","gen":2,"rank":0,"step":NaN,"t":0}', "wrong_type"),
+        (line(step=BIG), "out_of_range"),
+        (line(step=2**53 + 1), "out_of_range"),
+        (line(gen=BIG), "out_of_range"),
+        (line(rank=-BIG), "out_of_range"),
+        (line(loss=BIG), "out_of_range"),
+        (line(lr=-BIG), "out_of_range"),
+        (line(grad_norm=BIG), "out_of_range"),
+        (line(t=BIG), "out_of_range"),
+        (line(type="report", summary={"grade": BIG}), "out_of_range"),
+        (line(type="report", summary={"grade": "S3"}), "wrong_type"),
+        (line(type="report", summary={"worst_layer": 3}), "wrong_type"),
+        (line(type="report", layers={"blocks.0": {"max_logit": BIG}}), "out_of_range"),
+        (line(type="report", layers={"blocks.0": {"grade": "x"}}), "wrong_type"),
+        (line(type="report", layers={"blocks.0": {"grade": [3]}}), "wrong_type"),
+        (line(type="report", layers={"blocks.0": {"grade": True}}), "wrong_type"),
+        (line(type="report", layers={"blocks.0": [1, 2]}), "wrong_type"),
+        (line(type="dropped", count="x"), "wrong_type"),
+        (line(type="dropped", count=1.5), "wrong_type"),
+        (line(type="dropped", count=BIG), "out_of_range"),
+        (line(type="hello", world_size=BIG), "out_of_range"),
+        (line(type="checkpoint", grade=BIG), "out_of_range"),
+    ],
+)
+def test_hostile_lines_are_dropped_with_a_reason_never_raise(col, raw, why):
+    assert col.ingest(0, raw, now=101) is None
+    assert col.dropped == {why: 1}
+    assert col.ranks[0].step is None and col.ranks[0].last_seen is None  # nothing taken in
+    assert col.ingest(0, line(step=6), now=102) is not None  # and the next good line is
+
+
+def test_an_oversize_line_is_dropped_without_parsing_it(col):
+    assert col.ingest(0, line(run="r" * (1 << 20)), now=101) is None
+    assert col.dropped == {"oversize": 1}
+
+
+def test_values_at_the_limits_and_nonfinite_data_are_accepted(col):
+    msg = col.ingest(
+        0,
+        line(
+            type="report",
+            step=2**53,
+            loss=float("inf"),
+            grad_norm=-(2**53),
+            summary={"grade": 3, "max_logit": float("nan"), "worst_layer": "blocks.0"},
+            layers={"blocks.0": {"grade": 3, "max_logit": 1e300, "logz_max": None}},
+            extra={"tokens": BIG},  # the supervisor never reads extra: passed through as data
+        ),
+        now=101,
+    )
+    assert msg is not None and col.dropped == {}
+    assert col.ranks[0].step == 2**53 and col.ranks[0].summary["grade"] == 3
+
+
+def test_a_layer_name_that_is_not_a_string_is_refused():
+    from spikeguard.supervisor.validate import problem
+
+    msg = json.loads(line(type="report"))
+    msg["layers"] = {1: {"grade": 3}}
+    assert problem(msg) == "wrong_type"
+    msg["layers"] = {"blocks.0": {2: 3}}
+    assert problem(msg) == "wrong_type"

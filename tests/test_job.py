@@ -72,3 +72,54 @@ def test_submit_with_a_bad_job_exits_2_without_a_traceback(tmp_path):
     )
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and f"{p}:6:" in r.stderr
+
+
+HOSTILE_JOBS = {
+    "deep": (GOOD + "args: " + "[" * 20_000 + "]" * 20_000 + "\n", 6, "nested more than 64"),
+    "bigint": (GOOD.replace("workers: 2", "workers: " + "9" * 5000), 4, "too large"),
+    "anchor": (GOOD + "env: &e {A: *e}\n", 6, "nested more than 64"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_JOBS))
+def test_hostile_jobs_name_file_line_and_field(tmp_path, name):
+    text, line, needle = HOSTILE_JOBS[name]
+    p = write(tmp_path, text)
+    with pytest.raises(PolicyError) as e:
+        load_job(p)
+    assert str(e.value).startswith(f"{p}:{line}:") and needle in str(e.value), str(e.value)
+
+
+def test_submit_exits_2_on_hostile_jobs_and_policies_without_a_traceback(tmp_path):
+    deep_policy = tmp_path / "deep.yaml"
+    deep_policy.write_text("version: 1\nname: a\nrules: " + "[" * 20_000 + "]" * 20_000 + "\n")
+    big = tmp_path / "big.yaml"
+    big.write_text(GOOD + "# " + "x" * (50 << 20) + "\n")
+    cases = {
+        write(tmp_path, HOSTILE_JOBS["deep"][0]): "job.yaml:6:",
+        tmp_path / "policy-job.yaml": "deep.yaml:3:",
+        big: "big.yaml: the file is 50.0 MiB",
+    }
+    (tmp_path / "policy-job.yaml").write_text(GOOD.replace("policy: default", "policy: deep.yaml"))
+    for path, expected in cases.items():
+        r = subprocess.run(
+            [sys.executable, "-m", "spikeguard.supervisor.cli", "submit", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr and expected in r.stderr, r.stderr[-2000:]
+
+
+def test_submit_turns_an_unforeseen_load_error_into_one_line(tmp_path, monkeypatch, capsys):
+    from spikeguard.supervisor import job
+    from spikeguard.supervisor.cli import main
+
+    def broken(path, overrides=None):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(job, "load_job", broken)
+    assert main(["submit", str(write(tmp_path, GOOD))]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "RecursionError" in err and "job.yaml" in err

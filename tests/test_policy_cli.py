@@ -85,6 +85,15 @@ BROKEN = {
     ),
     "syntax.yaml": ("version: 1\nname: [a\n", "syntax.yaml:2:7: YAML syntax error"),
     "binary.yaml": (b"\xff\xfe\x00garbage", "binary.yaml"),
+    "deep.yaml": (
+        "version: 1\nname: a\nrules: " + "[" * 20_000 + "]" * 20_000 + "\n",
+        "deep.yaml:3:",
+    ),
+    "bigint.yaml": (
+        "version: 1\nname: a\nwarm_in: " + "9" * 5000 + "\nrules: []\n",
+        "bigint.yaml:3:10: warm_in: ",
+    ),
+    "anchor.yaml": ("version: 1\nname: a\nrules: &r [*r]\n", "anchor.yaml:3:"),
 }
 
 
@@ -97,6 +106,23 @@ def test_check_exits_2_with_one_line_and_no_traceback(tmp_path, name):
     assert res.returncode == 2
     assert "Traceback" not in res.stderr and res.stdout == ""
     assert expected in res.stderr.splitlines()[0], res.stderr
+
+
+@pytest.mark.parametrize("name", ["deep.yaml", "bigint.yaml", "anchor.yaml"])
+def test_check_never_reports_an_internal_error_on_a_hostile_file(tmp_path, capsys, name):
+    path = tmp_path / name
+    path.write_text(BROKEN[name][0])
+    code, out, err = run_in_process(capsys, "check", str(path))
+    assert code == 2 and out == ""
+    assert err.startswith(f"{path}:3:") and "internal error" not in err, err
+
+
+def test_check_refuses_a_50_mb_policy(tmp_path, capsys):
+    path = tmp_path / "big.yaml"
+    path.write_text("version: 1\nname: a\nrules: []\n# " + "x" * (50 << 20) + "\n")
+    code, _, err = run_in_process(capsys, "check", str(path))
+    assert code == 2
+    assert err.strip() == f"{path}: the file is 50.0 MiB; policies and job files are at most 1 MiB"
 
 
 def test_check_missing_file_and_builtins(tmp_path):

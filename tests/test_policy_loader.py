@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 from spikeguard.policies import PolicyError, load_policy, load_policy_text
-from spikeguard.policies.loader import load_model_file
+from spikeguard.policies.loader import load_model_file, load_yaml_text
 
 RULE = """\
 rules:
@@ -422,3 +422,88 @@ def test_mutated_builtins_never_crash():
             assert "\n" not in str(e) and str(e).startswith(f"m{i}.yaml")
             outcomes["error"] += 1
     assert outcomes["error"] > 100
+
+
+# --- hostile files: size, nesting and number caps, each a FILE:LINE:COL error -------------------
+HEAD = "version: 1\nname: a\n"
+HUGE = "9" * 5000  # beyond int()'s 4300-digit limit
+
+
+def _hostile_error(text: str) -> PolicyError:
+    with pytest.raises(PolicyError) as info:
+        load_policy_text(text, "p.yaml")
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "text,where,message",
+    [
+        (HEAD + "rules: " + "[" * 20_000 + "]" * 20_000 + "\n", "p.yaml:3:", "nested more than 64"),
+        (HEAD + "x: " + "{a: " * 20_000 + "1" + "}" * 20_000 + "\n", "p.yaml:3:", "nested more"),
+        (
+            HEAD + "rules:\n" + "".join("  " * i + "-\n" for i in range(1, 700)),
+            "p.yaml:",
+            "nested more than 64",
+        ),
+        (HEAD + "rules: &a [*a]\n", "p.yaml:3:", "nested more than 64"),
+        (HEAD + f"warm_in: {HUGE}\n" + RULE, "p.yaml:3:10: warm_in: ", "too large"),
+        (HEAD + f"warm_in: -{HUGE}\n" + RULE, "p.yaml:3:10: warm_in: ", "too large"),
+        (HEAD + f"warm_in: 0x{HUGE}\n" + RULE, "p.yaml:3:10: warm_in: ", "too large"),
+        (HEAD + "recovery:\n  max_attempts: 9007199254740993\n" + RULE, "p.yaml:4:17: ", "large"),
+        (HEAD + f"warm_in: {HUGE} steps\n" + RULE, "p.yaml:3:10: warm_in: ", "too large"),
+        (HEAD + f"warm_in: {'9' * 400} steps\n" + RULE, "p.yaml:3:10: warm_in: ", "too large"),
+        (
+            HEAD + f"rules:\n  - {{name: r, when: hang, action: notify, cooldown: {HUGE}h}}\n",
+            "p.yaml:4:",
+            "too large",
+        ),
+        (
+            HEAD + f"rules:\n  - {{name: r, when: hang, action: notify, for: {'9' * 400} steps}}\n",
+            "p.yaml:4:",
+            "too large",
+        ),
+    ],
+    ids=[
+        "flow-list-20000-deep",
+        "flow-map-20000-deep",
+        "block-700-deep",
+        "recursive-anchor",
+        "5000-digit-int",
+        "5000-digit-negative-int",
+        "5000-digit-hex",
+        "int-beyond-2^53",
+        "5000-digit-steps",
+        "400-digit-steps",
+        "5000-digit-hours",
+        "400-digit-for",
+    ],
+)
+def test_hostile_policy_is_one_clear_line(text: str, where: str, message: str) -> None:
+    error = _hostile_error(text)
+    assert str(error).startswith(where), str(error)
+    assert message in str(error) and "\n" not in str(error), str(error)
+    assert len(str(error)) < 300  # a 5000-digit number is never echoed whole
+
+
+def test_the_limits_themselves_are_fine() -> None:
+    deep = "x: " + "[" * 63 + "1" + "]" * 63 + "\n"  # 64 levels with the top-level mapping
+    data = load_yaml_text(deep)
+    for _ in range(63):
+        data = data["x"] if isinstance(data, dict) else data[0]
+    assert data == [1]
+    with pytest.raises(PolicyError, match="nested more than 64"):
+        load_yaml_text("x: " + "[" * 64 + "]" * 64 + "\n")
+    pol = load_policy_text(HEAD + "warm_in: 9007199254740992 steps\n" + RULE)
+    assert pol.warm_in.value == 2**53
+
+
+def test_a_50_mb_policy_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "big.yaml"
+    path.write_text(HEAD + RULE + "# " + "x" * (50 << 20) + "\n")
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    assert str(info.value) == (
+        f"{path}: the file is 50.0 MiB; policies and job files are at most 1 MiB"
+    )
+    with pytest.raises(PolicyError, match="at most 1 MiB"):
+        load_policy_text(path.read_text(), str(path))

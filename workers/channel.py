@@ -1,7 +1,9 @@
 """The report channel: rank -> supervisor, never blocking the training step.
 
-``send()`` only puts the message on a bounded queue and returns at once; a
-daemon thread serialises and writes. When the queue is full the message is
+``send()`` encodes the message in the caller's thread (:mod:`.encode`: a message
+that cannot be encoded is refused there, so ``send()`` says so), puts the line on a
+bounded queue and returns at once; a daemon thread only writes bytes, and survives
+anything that goes wrong while it does. When the queue is full the message is
 dropped and counted (back-pressure must never slow training); the count is
 sent as a ``dropped`` message once the writer catches up.
 
@@ -19,7 +21,6 @@ Destinations (see :mod:`spikeguard.workers.contract`):
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import socket
@@ -27,8 +28,12 @@ import threading
 import time
 from typing import Any
 
+from .encode import Unencodable, encode_line
+
 _STOP = object()
 MAX_REQUEST_BYTES = 1 << 16
+_HEADER = ("v", "run", "gen", "rank", "step", "t")
+"""The fields of a message a ``dropped`` note sent before it repeats."""
 
 
 class Channel:
@@ -37,6 +42,13 @@ class Channel:
     def __init__(self, *, maxsize: int = 1024) -> None:
         self._q: queue.Queue[Any] = queue.Queue(maxsize=maxsize)
         self.dropped = 0
+        """Messages lost to a full queue or an unreachable agent (the supervisor is told)."""
+        self.dropped_unencodable = 0
+        """Messages refused by :meth:`send` because they cannot be encoded."""
+        self.last_unencodable: str | None = None
+        """Why the last of those was refused."""
+        self.writer_errors = 0
+        """Unexpected errors the writer thread survived (each cost one message)."""
         self.sent = 0
         self._reported_dropped = 0
         self._requests: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
@@ -45,9 +57,20 @@ class Channel:
 
     # -- called from the training thread -------------------------------------------------
     def send(self, msg: dict[str, Any]) -> bool:
-        """Enqueue ``msg``; returns False (and counts it) when the queue is full. Never blocks."""
+        """Encode ``msg`` and enqueue it. Never blocks, never raises.
+
+        Returns False, and counts it, when ``msg`` cannot be encoded (``dropped_unencodable``,
+        the reason in ``last_unencodable``; see :mod:`.encode`) or the queue is full
+        (``dropped``, which the supervisor is told of).
+        """
         try:
-            self._q.put_nowait(msg)
+            header, line = _encode(msg)
+        except Unencodable as e:
+            self.dropped_unencodable += 1
+            self.last_unencodable = e.reason
+            return False
+        try:
+            self._q.put_nowait((header, line))
             return True
         except queue.Full:
             self.dropped += 1
@@ -75,17 +98,20 @@ class Channel:
     # -- the writer thread -----------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            msg = self._q.get()
-            if msg is _STOP:
+            item = self._q.get()
+            if item is _STOP:
                 self._shutdown()
                 return
-            if self.dropped != self._reported_dropped:
-                note = {k: msg.get(k) for k in ("v", "run", "gen", "rank", "step", "t")}
-                note.update(type="dropped", count=self.dropped)
-                if self._write_line(_encode(note)):
-                    self._reported_dropped = note["count"]
-            if self._write_line(_encode(msg)):
-                self.sent += 1
+            try:  # the writer outlives any one message, whatever goes wrong
+                header, line = item
+                if self.dropped != self._reported_dropped:
+                    note = dict(header, type="dropped", count=self.dropped)
+                    if self._write_line(_encode(note)[1]):
+                        self._reported_dropped = note["count"]
+                if self._write_line(line):
+                    self.sent += 1
+            except Exception:
+                self.writer_errors += 1
 
     def _write_line(self, line: bytes) -> bool:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -94,26 +120,25 @@ class Channel:
         pass
 
 
-def _encode(msg: dict[str, Any]) -> bytes:
-    return (json.dumps(msg, separators=(",", ":"), default=_default) + "\n").encode()
-
-
-def _default(obj: Any) -> Any:
-    # tensors and numpy scalars that slipped through
-    if hasattr(obj, "item"):
-        return obj.item()
-    if hasattr(obj, "tolist"):
-        return obj.tolist()
-    return str(obj)
+def _encode(msg: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """The header a ``dropped`` note repeats, and the line; :class:`Unencodable` if impossible."""
+    if not isinstance(msg, dict):
+        raise Unencodable(f"a message is a dict, not a {type(msg).__qualname__}")
+    data, line = encode_line(msg)
+    return {k: data.get(k) for k in _HEADER}, line
 
 
 class NullChannel:
     """Reports nothing. Same interface, no thread."""
 
     dropped = 0
+    dropped_unencodable = 0
+    last_unencodable: str | None = None
+    writer_errors = 0
     sent = 0
 
     def send(self, msg: dict[str, Any]) -> bool:
+        """Accept ``msg`` and discard it."""
         return True
 
     def poll_requests(self) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
 """Checkpoints with grades: atomic write, checksum, sidecar metadata, safe load, selection.
 
 * :mod:`.format`       what a checkpoint looks like on disk: names, the sidecar, the errors
+* :mod:`.files`        opening regular files only: never a symlink, never a blocking FIFO
 * :mod:`.integrity`    a data file's bytes against its recorded size and sha256
 * :mod:`.pickle_scan`  a static check of the pickle inside a data file, without torch
 * :mod:`.select`       list, verify and choose checkpoints (what the supervisor uses)

@@ -26,6 +26,9 @@ import os
 import re
 from typing import Any
 
+from ..contract.messages import too_deep
+from .files import open_regular
+
 CHECKPOINT_FORMAT = "spikeguard-checkpoint"
 CHECKPOINT_FORMAT_VERSION = 1
 SIDECAR_SUFFIX = ".json"
@@ -34,6 +37,13 @@ TMP_PREFIX = ".tmp-"
 _DATA_NAME_RE = re.compile(r"^ckpt-step\d+-gen\d+-rank\d+\.pt$")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _INT_FIELDS = ("step", "generation", "rank", "size")
+
+MAX_SIDECAR_BYTES = 1 << 20
+"""A sidecar larger than this is refused unread (a real one is a few KiB)."""
+MAX_SIDECAR_DEPTH = 64
+"""A sidecar nesting lists and objects deeper than this is refused (a real one nests 4 deep)."""
+MAX_FIELD_INT = 2**53
+"""The largest step, generation, rank or size a sidecar may record."""
 
 
 class CheckpointError(Exception):
@@ -66,16 +76,20 @@ class CheckpointInfo:
 
     @property
     def grade(self) -> int | None:
-        """``meta["grade"]`` (the minimum grade over layers) as an int.
+        """``meta["grade"]`` (the minimum grade over layers) as an int 0..7.
 
-        None if absent or not an integer (a bool, a string, NaN and 6.5 are not).
+        None if absent or not a grade: a bool, a string, NaN, 6.5, 8, 1e308 and a 400-digit
+        integer are not. An integral float 0.0..7.0 is (``write_checkpoint`` keeps a grade
+        given as a numpy float as a float).
         """
         g = self.meta.get("grade")
-        if not isinstance(g, (int, float)) or isinstance(g, bool):
+        if isinstance(g, bool):
             return None
-        if not float(g).is_integer():
-            return None
-        return int(g)
+        if isinstance(g, int) and 0 <= g <= 7:
+            return g
+        if isinstance(g, float) and g.is_integer() and 0 <= g <= 7:
+            return int(g)
+        return None
 
 
 class CheckpointList(list[CheckpointInfo]):
@@ -125,8 +139,8 @@ def _sidecar_problem(fields: dict[str, Any], meta_path: str) -> str | None:
         return f"unsupported format version {fields.get('version')!r}"
     for key in _INT_FIELDS:
         value = fields.get(key)
-        if type(value) is not int or value < 0:
-            return "step, generation, rank or size is not a non-negative int"
+        if type(value) is not int or not 0 <= value <= MAX_FIELD_INT:
+            return "step, generation, rank or size is not an int in 0..2^53"
     if not _SHA256_RE.fullmatch(str(fields.get("sha256"))):
         return "field 'sha256' is not a sha256 hex digest"
     if not isinstance(fields.get("meta"), dict):
@@ -140,16 +154,31 @@ def _sidecar_problem(fields: dict[str, Any], meta_path: str) -> str | None:
 def read_sidecar(meta_path: str) -> CheckpointInfo:
     """Read and validate the sidecar at ``meta_path``; its data file is not looked at.
 
-    Raises :class:`CorruptCheckpointError` naming what is wrong: unreadable, malformed JSON, another
-    format or version, a bad field, or fields that describe another file name.
+    Raises :class:`CorruptCheckpointError` naming what is wrong: unreadable (missing, a symlink, a
+    FIFO or anything but a regular file, EACCES...: see :func:`.files.open_regular`; never
+    blocks), larger than :data:`MAX_SIDECAR_BYTES`, malformed JSON, nested deeper than
+    :data:`MAX_SIDECAR_DEPTH`, another format or version, a bad field, or fields that describe
+    another file name.
     """
     try:
-        with open(meta_path, encoding="utf-8") as f:
-            fields = json.load(f)
-    except (OSError, ValueError) as e:
+        with open_regular(meta_path) as f:
+            raw = f.read(MAX_SIDECAR_BYTES + 1)
+    except OSError as e:
+        raise CorruptCheckpointError(f"sidecar {meta_path}: unreadable: {e}") from e
+    if len(raw) > MAX_SIDECAR_BYTES:
         raise CorruptCheckpointError(
-            f"sidecar {meta_path}: unreadable or malformed JSON: {e}"
-        ) from e
+            f"sidecar {meta_path}: larger than {MAX_SIDECAR_BYTES} bytes, not read"
+        )
+    try:
+        fields = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CorruptCheckpointError(
+            f"sidecar {meta_path}: unreadable or malformed JSON: {type(e).__name__}: {e}"
+        ) from None
+    if too_deep(fields, MAX_SIDECAR_DEPTH):
+        raise CorruptCheckpointError(
+            f"sidecar {meta_path}: nested more than {MAX_SIDECAR_DEPTH} levels"
+        )
     if not isinstance(fields, dict):
         fields = {}
     problem = _sidecar_problem(fields, meta_path)

@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 
+from .files import NotRegularFile, open_regular
 from .format import CheckpointError, CorruptCheckpointError
 
 CHUNK_BYTES = 1 << 20
@@ -27,32 +28,30 @@ def open_checked(
     ``sha256s`` holds (source, hex digest) pairs, e.g. ``("sidecar", info.sha256)``: the file must
     match each. ``size`` is the expected size in bytes, or None for no size check.
 
-    Raises :class:`CorruptCheckpointError` if the file is missing, empty, or differs from ``size``
-    or any of ``sha256s``; :class:`CheckpointError` if it cannot be opened for another reason
+    Raises :class:`CorruptCheckpointError` if the file is missing, not a regular file (a symlink,
+    never followed; a FIFO, refused without blocking), empty, or differs from ``size`` or any of
+    ``sha256s``; :class:`CheckpointError` if it cannot be opened or read for another reason
     (EACCES, EIO...: not the file's fault).
     """
     try:
-        f = open(path, "rb")
+        f = open_regular(path)
+    except NotRegularFile as e:
+        raise CorruptCheckpointError(str(e)) from e
     except FileNotFoundError as e:
         raise CorruptCheckpointError(f"{path}: {e}") from e
     except OSError as e:
         raise CheckpointError(f"{path}: {e}") from e
     with f:
-        digest = hashlib.sha256()
-        n_bytes = 0
-        while True:
-            chunk = f.read(CHUNK_BYTES)
-            if not chunk:
-                break
-            digest.update(chunk)
-            n_bytes += len(chunk)
+        try:
+            actual, n_bytes = _sha256(f)
+        except OSError as e:
+            raise CheckpointError(f"{path}: reading failed: {e}") from e
         if n_bytes == 0:
             raise CorruptCheckpointError(f"{path} is empty")
         if size is not None and n_bytes != size:
             raise CorruptCheckpointError(
                 f"{path}: size mismatch: {n_bytes} bytes, expected {size} (truncated?)"
             )
-        actual = digest.hexdigest()
         for source, want in sha256s:
             if actual != want.lower():
                 raise CorruptCheckpointError(
@@ -60,3 +59,16 @@ def open_checked(
                 )
         f.seek(0)
         yield f
+
+
+def _sha256(f: BinaryIO) -> tuple[str, int]:
+    """The hex sha256 of what is left to read in ``f``, and how many bytes that was."""
+    digest = hashlib.sha256()
+    n_bytes = 0
+    while True:
+        chunk = f.read(CHUNK_BYTES)
+        if not chunk:
+            break
+        digest.update(chunk)
+        n_bytes += len(chunk)
+    return digest.hexdigest(), n_bytes

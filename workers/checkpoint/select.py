@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from . import pickle_scan
+from .files import NotRegularFile, lstat_regular
 from .format import (
     SIDECAR_SUFFIX,
     CheckpointError,
@@ -36,12 +37,20 @@ def _order(info: CheckpointInfo) -> tuple[int, int, int, str]:
 
 
 def _read_listed(meta_path: str) -> CheckpointInfo:
-    """The sidecar at ``meta_path``, checked against its data file's size (not its content)."""
+    """The sidecar at ``meta_path``, checked against its data file's size (not its content).
+
+    Both must be regular files (a symlink is not one: it is never followed).
+    """
+    lstat_regular(meta_path)
     info = read_sidecar(meta_path)
     try:
-        size = os.stat(info.path).st_size
+        size = lstat_regular(info.path).st_size
     except FileNotFoundError:
         raise CorruptCheckpointError(f"data file {info.path} is missing") from None
+    except NotRegularFile as e:
+        raise CorruptCheckpointError(f"data file {e}") from None
+    except OSError as e:
+        raise CorruptCheckpointError(f"data file {info.path}: {e}") from None
     if size != info.size:
         raise CorruptCheckpointError(
             f"size mismatch: {info.path} has {size} bytes, sidecar says {info.size}"
@@ -52,16 +61,22 @@ def _read_listed(meta_path: str) -> CheckpointInfo:
 def list_checkpoints(directory: str | os.PathLike[str]) -> CheckpointList:
     """The published checkpoints in ``directory``, sorted by (step, generation, rank).
 
-    Cheap: reads sidecars and stats data files, never hashes, removes nothing. Malformed or
-    inconsistent sidecars, missing data files, size mismatches and data files without a sidecar
-    (interrupted writes) go to the result's ``problems`` as (path, reason). A directory that does
-    not exist holds no checkpoints.
+    Cheap: reads sidecars and stats data files, never hashes, removes nothing. Never raises and
+    never blocks: malformed, oversized or inconsistent sidecars, missing data files, size
+    mismatches, anything that is not a regular file (a symlink is never followed; a FIFO is never
+    opened for a blocking read), files that cannot be read (EACCES, ELOOP, EIO...) and data files
+    without a sidecar (interrupted writes) go to the result's ``problems`` as (path, reason); so
+    does a directory that cannot be listed. A directory that does not exist holds no
+    checkpoints.
     """
     found = CheckpointList()
     found.problems = []
     try:
         names = set(os.listdir(directory))
     except FileNotFoundError:
+        return found
+    except OSError as e:  # ENOTDIR, EACCES, ELOOP, ENAMETOOLONG...
+        found.problems.append((os.fspath(directory), f"cannot list the directory: {e}"))
         return found
     for name in sorted(names):
         path = os.path.join(os.fspath(directory), name)
@@ -71,8 +86,10 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> CheckpointList:
             continue
         try:
             found.append(_read_listed(path))
-        except CorruptCheckpointError as e:
+        except (CheckpointError, OSError) as e:
             found.problems.append((path, str(e)))
+        except Exception as e:  # one odd file must never hide the others or stop a recovery
+            found.problems.append((path, f"unexpected {type(e).__name__}: {e}"))
     found.sort(key=_order)
     return found
 
@@ -85,12 +102,15 @@ def verify(info: CheckpointInfo) -> None:
     that :func:`select_checkpoint` never picks a file the weights-only unpickler would refuse.
     Globals a rank allowed with ``torch.serialization.add_safe_globals`` are refused here.
 
-    Raises :class:`CorruptCheckpointError` (missing, empty, truncated, altered, not a ``torch.save``
-    zip), :class:`UnsafeCheckpointError` (an opcode or a global the unpickler refuses), or
-    :class:`CheckpointError` (the file cannot be read for another reason).
+    Raises :class:`CorruptCheckpointError` (missing, not a regular file, empty, truncated, altered,
+    not a ``torch.save`` zip), :class:`UnsafeCheckpointError` (an opcode or a global the
+    unpickler refuses), or :class:`CheckpointError` (the file cannot be read for another reason).
     """
-    with open_checked(info.path, [("sidecar", info.sha256)], info.size) as f:
-        pickle_scan.scan_checkpoint(f, info.path)
+    try:
+        with open_checked(info.path, [("sidecar", info.sha256)], info.size) as f:
+            pickle_scan.scan_checkpoint(f, info.path)
+    except OSError as e:  # reading failed midway (EIO...): not the file's fault
+        raise CheckpointError(f"{info.path}: reading failed: {e}") from e
 
 
 def on_lineage(lineage: Sequence[tuple[int, int | None]], generation: int, step: int) -> bool:

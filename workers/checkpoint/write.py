@@ -29,7 +29,11 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from ..contract.messages import too_deep
 from .format import (
+    MAX_FIELD_INT,
+    MAX_SIDECAR_BYTES,
+    MAX_SIDECAR_DEPTH,
     SIDECAR_SUFFIX,
     TMP_PREFIX,
     CheckpointError,
@@ -220,16 +224,44 @@ def _publish(tmp: str, final: str, created: list[str]) -> None:
 
 def _check_arguments(state: Any, meta: Any, step: Any, generation: Any, rank: Any) -> None:
     """Raise :class:`CheckpointError` unless step, generation and rank are non-negative ints
-    and state and meta are dicts."""
+    up to 2^53 (what a sidecar may record) and state and meta are dicts."""
     for number in (step, generation, rank):
-        if type(number) is not int or number < 0:
+        if type(number) is not int or not 0 <= number <= MAX_FIELD_INT:
             raise CheckpointError(
-                "step, generation, rank must be non-negative ints: "
+                "step, generation, rank must be non-negative ints up to 2^53: "
                 f"{step!r}, {generation!r}, {rank!r}"
             )
     if not isinstance(state, dict) or not isinstance(meta, dict):
         raise CheckpointError(
             f"state and meta must be dicts, not {type(state).__name__}, {type(meta).__name__}"
+        )
+
+
+def _check_sidecar_limits(
+    path: str, meta: dict[str, Any], step: int, generation: int, rank: int
+) -> None:
+    """Raise :class:`CheckpointError` if the sidecar would be one that
+    :func:`~.select.list_checkpoints` refuses: nested too deep, or too large (measured on a
+    draft whose checksum and size are as long as they can be)."""
+    name = os.path.basename(path)
+    if too_deep(meta, MAX_SIDECAR_DEPTH - 1):  # meta is one level below the sidecar's top
+        raise CheckpointError(f"meta for {name} is nested more than {MAX_SIDECAR_DEPTH - 1} levels")
+    draft = CheckpointInfo(
+        path=path,
+        meta_path=path + SIDECAR_SUFFIX,
+        step=step,
+        generation=generation,
+        rank=rank,
+        sha256="0" * 64,
+        size=MAX_FIELD_INT,
+        meta=meta,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    )
+    n_bytes = len(sidecar_text(draft).encode())
+    if n_bytes > MAX_SIDECAR_BYTES:
+        raise CheckpointError(
+            f"the sidecar of {name} would be {n_bytes} bytes, larger than the "
+            f"{MAX_SIDECAR_BYTES} a listing reads: keep meta small"
         )
 
 
@@ -270,6 +302,7 @@ def write_checkpoint(
         ) from None
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"meta for {name} is not JSON-serialisable: {e}") from e
+    _check_sidecar_limits(path, meta, step, generation, rank)
     tmp = os.path.join(directory, f"{TMP_PREFIX}{name}-{os.getpid()}")
     meta_tmp = os.path.join(directory, f"{TMP_PREFIX}{name}{SIDECAR_SUFFIX}-{os.getpid()}")
     created: list[str] = []  # everything this call created, removed on failure

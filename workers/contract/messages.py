@@ -30,6 +30,8 @@ The supervisor adds two messages of its own for the policy engine (never sent by
 
 from __future__ import annotations
 
+from typing import Any
+
 FORMAT_VERSION = 1
 
 MESSAGE_TYPES = (
@@ -46,3 +48,36 @@ MESSAGE_TYPES = (
 
 SUPERVISOR_MESSAGE_TYPES = ("exit", "hang")
 """What the supervisor synthesises for the policy engine."""
+
+MAX_LINE_BYTES = 1 << 20
+"""The longest line (newline excluded) a message may take; longer ones are dropped unread."""
+
+MAX_DEPTH = 32
+"""How deeply a message may nest lists and objects (the message itself is level 1; a report's
+``layers`` go 3 deep). Deeper messages are refused by the channel and dropped by the collector."""
+
+MAX_SAFE_INT = 2**53
+"""The largest magnitude of an integer the supervisor reads (``step``, ``gen``, ``rank``, the
+metrics, ``summary`` and ``layers`` values, ``count``...): beyond it a float cannot hold it
+exactly, and far beyond it converting it to a float raises. Such a message is dropped."""
+
+
+def too_deep(value: Any, limit: int) -> bool:
+    """Whether decoded JSON ``value`` nests lists and dicts more than ``limit`` levels (``value``
+    itself is level 1). Iterative: a value nested deeper than the interpreter's recursion limit
+    is answered too. Report messages and checkpoint sidecars are checked with it."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        for child in children:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False

@@ -1,0 +1,134 @@
+"""One report line to a message, or the reason it is dropped. Pure: no Ray, no I/O.
+
+The collector calls :func:`parse` on every line a rank sends. A line is untrusted input: it may be
+truncated, binary, nested thousands of levels deep, or hold numbers no float can hold. Whatever it
+holds, :func:`parse` either returns a message the policy engine can read without raising, or
+raises :class:`Rejected` with the reason the collector counts:
+
+``oversize``      longer than :data:`~spikeguard.workers.contract.messages.MAX_LINE_BYTES`
+``malformed``     not JSON, not an object, or nested deeper than ``MAX_DEPTH``
+``bad_version``   another format version
+``unknown_type``  a message type the contract does not name
+``wrong_type``    a field the supervisor reads has the wrong type
+``out_of_range``  an integer the supervisor reads is beyond ``MAX_SAFE_INT``
+
+Non-finite metric values (a NaN or infinite ``loss``) are data, not errors: detecting them is
+what the non-finite rules are for. Fields the supervisor never reads (``extra``) are only checked
+for depth.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from spikeguard.workers.contract.messages import (
+    FORMAT_VERSION,
+    MAX_DEPTH,
+    MAX_LINE_BYTES,
+    MAX_SAFE_INT,
+    MESSAGE_TYPES,
+    too_deep,
+)
+
+METRICS = ("loss", "lr", "grad_norm")
+"""The per-step metrics: a number (NaN and infinities included) or null."""
+
+_REQUIRED_INTS = ("rank", "gen", "step")
+
+
+class Rejected(ValueError):
+    """A line the collector drops; ``reason`` is what it is counted under."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def parse(line: bytes | str) -> dict[str, Any]:
+    """The message on ``line``, validated; raises :class:`Rejected` (never anything else)."""
+    if len(line) > MAX_LINE_BYTES:
+        raise Rejected("oversize")
+    try:
+        msg = json.loads(line)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise Rejected("malformed") from None
+    if not isinstance(msg, dict) or too_deep(msg, MAX_DEPTH):
+        raise Rejected("malformed")
+    why = problem(msg)
+    if why is not None:
+        raise Rejected(why)
+    return msg
+
+
+def problem(msg: dict[str, Any]) -> str | None:
+    """Why the decoded message ``msg`` is unusable (a reason of the module docstring), or None."""
+    if msg.get("v") != FORMAT_VERSION:
+        return "bad_version"
+    if msg.get("type") not in MESSAGE_TYPES:
+        return "unknown_type"
+    for key in _REQUIRED_INTS:
+        if not _is_int(msg.get(key)):
+            return "wrong_type"
+    for key in METRICS:
+        if not _number_or_null(msg.get(key)):
+            return "wrong_type"
+    if msg["type"] == "dropped" and not (msg.get("count") is None or _is_int(msg["count"])):
+        return "wrong_type"
+    why = _summary_problem(msg)
+    if why is None:
+        why = _layers_problem(msg)
+    if why is None:
+        why = _range_problem(msg.values())
+    return why
+
+
+def _summary_problem(msg: dict[str, Any]) -> str | None:
+    if "summary" not in msg:
+        return None
+    summary = msg["summary"]
+    if not isinstance(summary, dict):
+        return "wrong_type"
+    for name, value in summary.items():
+        if name == "worst_layer":
+            if value is not None and not isinstance(value, str):
+                return "wrong_type"
+        elif not _number_or_null(value):
+            return "wrong_type"
+    return _range_problem(summary.values())
+
+
+def _layers_problem(msg: dict[str, Any]) -> str | None:
+    if "layers" not in msg:
+        return None
+    layers = msg["layers"]
+    if not isinstance(layers, dict):
+        return "wrong_type"
+    for name, signals in layers.items():
+        if not isinstance(name, str) or not isinstance(signals, dict):
+            return "wrong_type"
+        for signal, value in signals.items():
+            if not isinstance(signal, str) or not _number_or_null(value):
+                return "wrong_type"
+        why = _range_problem(signals.values())
+        if why is not None:
+            return why
+    return None
+
+
+def _range_problem(values: Any) -> str | None:
+    """``out_of_range`` when one of ``values`` is an integer beyond ``MAX_SAFE_INT``."""
+    for value in values:
+        if _is_int(value) and abs(value) > MAX_SAFE_INT:
+            return "out_of_range"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number_or_null(value: Any) -> bool:
+    if value is None:
+        return True
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
