@@ -21,6 +21,7 @@ Destinations (see :mod:`spikeguard.workers.contract`):
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import socket
