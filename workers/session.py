@@ -116,7 +116,16 @@ class Session:
             "t": time.time(),
         }
         msg.update(fields)
-        return self.channel.send(msg)
+        refused = getattr(self.channel, "dropped_unencodable", 0)
+        if self.channel.send(msg):
+            return True
+        if "extra" in msg and getattr(self.channel, "dropped_unencodable", 0) > refused:
+            # the user's extra metrics could not be encoded: keep the heartbeat (a rank whose
+            # every step is refused would look hung), say what was left out
+            del msg["extra"]
+            msg["extra_dropped"] = str(getattr(self.channel, "last_unencodable", "unencodable"))
+            return self.channel.send(msg)
+        return False
 
     def _arm(self, step: int) -> None:
         if step % self.sample_every == 0:
@@ -149,7 +158,7 @@ class Session:
         if batch_ids is not None:
             self.batch_ids.append((s, batch_ids))
         fields: dict[str, Any] = {"loss": loss_f, "lr": eff_lr, "grad_norm": gn_f}
-        if extra:
+        if extra is not None:
             fields["extra"] = extra
         if self.probes.armed_step == s:
             layers = (
