@@ -11,6 +11,12 @@ and ``reason``, plus the kind's own fields. The recovery machine's events also h
 (:class:`~.events.Reason`); the first event of each of its transitions that changed its state
 records the observations that caused it (``obs``) and a fingerprint of the state after it
 (``state_digest``): replaying ``obs`` through the machine rebuilds that state (``fold``).
+
+No secret is ever written: :meth:`Journal.append` is the one place every event passes, and it
+redacts every string in it (nested ones too) with the one scanner
+(:func:`~spikeguard.workers.contract.secrets.redact`): anything shaped like a credential, and the
+values of the secrets the supervisor holds (:func:`~.secrets.held_secrets`). A rank's log tail or
+an error text that quotes the Slack token or the webhook URL reads ``[redacted]``.
 """
 
 from __future__ import annotations
@@ -20,11 +26,14 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from spikeguard.workers.contract.secrets import redact
+
 from .events import Kind
+from .secrets import held_secrets
 
 JOURNAL_NAME = "journal.jsonl"
 
@@ -32,10 +41,20 @@ JOURNAL_NAME = "journal.jsonl"
 class Journal:
     """Append-only event log. Thread-safe (the Slack sender journals from its own thread)."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], *, run: str) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        run: str,
+        secrets: Iterable[str] | None = None,
+    ) -> None:
+        """Open (or continue) ``RUN_DIR/journal.jsonl``. ``secrets``: the values to redact
+        besides anything shaped like a credential (default: those this process's environment
+        holds, :func:`~.secrets.held_secrets`)."""
         self.path = Path(run_dir) / JOURNAL_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run = run
+        self.secrets = tuple(held_secrets(os.environ) if secrets is None else secrets)
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         existing = read_events(self.path)
@@ -70,10 +89,21 @@ class Journal:
                 "reason": fields.pop("reason", ""),
             }
             ev.update(fields)
+            ev = {k: v if k == "kind" else self._redact(v) for k, v in ev.items()}
             self._f.write((json.dumps(ev, default=str) + "\n").encode())
             self._f.flush()
             os.fsync(self._f.fileno())
             return ev
+
+    def _redact(self, value: Any) -> Any:
+        """``value`` with every string in it redacted (dicts and lists walked, keys kept)."""
+        if isinstance(value, str):
+            return redact(value, self.secrets)
+        if isinstance(value, dict):
+            return {k: self._redact(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._redact(v) for v in value]
+        return value
 
     def record(self, event: dict[str, Any]) -> dict[str, Any]:
         """Append an event given as a dict with a ``kind`` (what the recovery machine returns)."""

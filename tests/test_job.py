@@ -72,3 +72,21 @@ def test_submit_with_a_bad_job_exits_2_without_a_traceback(tmp_path):
     )
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and f"{p}:6:" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "xapp-1-A0123456789-1234567890123-abcdef",  # an app-level (Socket Mode) token
+        "xoxe.xoxp-1-Mi0yLTEyMzQ1Njc4OQ",  # a refresh token
+        "xoxe-1-My0xLTEyMzQ1Njc4OTA",  # a configuration token
+        "https://hooks.slack-gov.com/services/T0000/B0000/XXXXXXXX",  # a GovSlack webhook
+    ],
+)
+def test_every_slack_credential_shape_in_a_job_file_is_refused(tmp_path, value):
+    p = write(tmp_path, GOOD + f'env:\n  SOCKET_MODE: "{value}"\n')
+    with pytest.raises(PolicyError) as e:
+        load_job(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}:7:") and "env.SOCKET_MODE" in msg, msg
+    assert "secrets never go in a job file" in msg and value not in msg
