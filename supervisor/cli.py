@@ -16,6 +16,7 @@ from typing import Any
 from spikeguard.policies import commands as policy_commands
 from spikeguard.workers.contract.exitcodes import ExitCode
 
+from . import rundir
 from .notify.slack import command as slack_command
 
 
@@ -100,7 +101,7 @@ def _stop(args: argparse.Namespace) -> int:
     if not (run / "journal.jsonl").exists():
         print(f"spikeguard: no run in {args.run_dir}", file=sys.stderr)
         return ExitCode.BAD_INPUT
-    (run / "STOP").write_text(args.reason)
+    rundir.write_atomic(run / "STOP", args.reason)
     print(f"spikeguard: asked the supervisor of {run} to stop ({args.reason})")
     return 0
 

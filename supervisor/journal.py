@@ -3,7 +3,8 @@
 It is the single source for ``spikeguard status``/``events``, for Slack and
 for a restarted supervisor. One JSON object a line; each append is flushed
 and fsynced before ``append`` returns, so an event that was acted upon is on
-disk. A torn last line (the supervisor died mid-write) is ignored on read.
+disk. A torn last line (the supervisor died mid-write) is ignored on read. The file is private
+(0600) and never opened through a symlink (:func:`.rundir.open_append`).
 
 Every event has ``seq``, ``kind`` (:class:`~.events.Kind`), ``time`` (ISO-8601 UTC), ``mono``
 (seconds on the supervisor's monotonic clock since it started), ``run``, ``incident`` (or null)
@@ -32,6 +33,7 @@ from typing import Any
 
 from spikeguard.workers.contract.secrets import redact
 
+from . import rundir
 from .events import Kind
 from .secrets import held_secrets
 
@@ -52,15 +54,15 @@ class Journal:
         besides anything shaped like a credential (default: those this process's environment
         holds, :func:`~.secrets.held_secrets`)."""
         self.path = Path(run_dir) / JOURNAL_NAME
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run = run
         self.secrets = tuple(held_secrets(os.environ) if secrets is None else secrets)
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
+        rundir.private_dir(self.path.parent)
+        self._f = rundir.open_append(self.path)  # 0600, never through a symlink (UnsafePath)
         existing = read_events(self.path)
         self._seq = existing[-1]["seq"] if existing else 0
         self._mono_base = existing[-1].get("mono", 0.0) if existing else 0.0
-        self._f = open(self.path, "ab")
         if self._f.tell() > 0:
             with open(self.path, "rb") as r:
                 r.seek(-1, os.SEEK_END)

@@ -71,6 +71,11 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
 
     policy = load_policy(job.policy)
     run_dir = job.resolved_run_dir()
+    try:
+        rundir.refuse_links(run_dir)
+    except rundir.UnsafePath as e:
+        print(f"spikeguard: {e}", flush=True)
+        return ExitCode.BAD_INPUT
     events = read_events(run_dir)
     if not replayable(events):
         print(
@@ -93,7 +98,13 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         return done.exit_code if done.exit_code is not None else ExitCode.FAILED
     try:
         lock = rundir.acquire_lock(run_dir)
-    except rundir.LockHeld as e:
+    except (rundir.LockHeld, rundir.UnsafePath) as e:
+        print(f"spikeguard: {e}", flush=True)
+        return ExitCode.BAD_INPUT
+    try:  # private: 0700, the files 0600 (the controller appends to journal and reports)
+        rundir.prepare(run_dir)
+    except rundir.UnsafePath as e:
+        lock.close()
         print(f"spikeguard: {e}", flush=True)
         return ExitCode.BAD_INPUT
     t = job.timeouts
@@ -153,7 +164,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         return ctl.run(resume_events=events or None)
     except KeyboardInterrupt:
         if ctl is not None:
-            ctl.stop_file.write_text("interrupted (Ctrl-C / SIGTERM)")
+            rundir.write_atomic(ctl.stop_file, "interrupted (Ctrl-C / SIGTERM)")
             ctl.step()
         return ExitCode.INTERRUPTED
     finally:
