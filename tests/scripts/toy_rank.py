@@ -20,11 +20,14 @@ the step this generation started at. Modes:
 ``garbage``      before the step, write malformed/invalid lines to its own report socket
 ``finish``       exit 0 before the step; from that step on no rank uses collectives (uneven data)
 ``slow``         from this step on sleep ``--slow-sleep`` seconds per step (a straggler)
+
+``--env-out DIR`` writes the environment the rank started with to ``DIR/rank{RANK}.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -117,9 +120,13 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--slow-sleep", type=float, default=1.0)
+    p.add_argument("--env-out", help="write this rank's environment to DIR/rank{RANK}.json")
     args = p.parse_args()
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if args.env_out:
+        with open(os.path.join(args.env_out, f"rank{rank}.json"), "w") as f:
+            json.dump(dict(os.environ), f)
     gen = int(os.environ.get("SPIKEGUARD_GENERATION", 1))
     _, flags, _ = faults(rank, gen)
     if "ignore_term" in flags:
