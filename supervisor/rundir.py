@@ -180,6 +180,32 @@ def acquire_lock(run_dir: Path) -> IO[str]:
     return f
 
 
+def lock_holder(run_dir: Path) -> str | None:
+    """Who holds ``RUN_DIR/supervisor.lock`` now (the holder's ``pid … on HOST`` line), or None
+    when no process does: no supervisor runs this directory (it finished, or it died).
+
+    A non-blocking shared ``flock`` probe that writes nothing; :class:`UnsafePath` when the lock
+    is a symlink, ``OSError`` when the file system cannot tell.
+    """
+    import fcntl
+
+    try:
+        fd = os.open(run_dir / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _refuse(run_dir / LOCK_NAME, "a symbolic link") from None
+        raise
+    with os.fdopen(fd, "r", encoding="utf-8", errors="replace") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "a process that wrote nothing"
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    return None
+
+
 def write_status(run_dir: Path, data: dict[str, Any]) -> None:
     """Rewrite ``RUN_DIR/status.json`` (atomically, 0600)."""
     write_atomic(run_dir / "status.json", json.dumps(data))

@@ -12,12 +12,13 @@ from spikeguard.workers.contract.exitcodes import ExitCode
 from . import recovery as rc
 from . import rundir
 from .controller import Controller
-from .events import TERMINAL_KINDS, Kind
+from .events import Kind
 from .job import JobSpec
 from .journal import read_events
 from .launch.group import GroupSpec, WorkerGroup, python_cmd
 from .launch.ray_init import init_ray
 from .notify.console import ConsoleNotifier, LiveView
+from .status import finished
 
 
 def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> list[Any]:
@@ -87,12 +88,9 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         return ExitCode.BAD_INPUT
     done = finished_outcome(events) if events else None
     if done is not None:
-        last = next((e for e in reversed(events) if e["kind"] in TERMINAL_KINDS), {})
         print(
-            f"spikeguard: run {job.name} in {run_dir} already finished: "
-            f"{done.phase.value.lower()} (exit code {done.exit_code}) at "
-            f"{last.get('time', '?')}: {last.get('reason', '')}. Nothing to do; its journal is "
-            "final. Use another --run-dir or --name for a new run.",
+            f"spikeguard: run {job.name} in {run_dir} already finished: {finished(events)}. "
+            "Nothing to do; its journal is final. Use another --run-dir or --name for a new run.",
             flush=True,
         )
         return done.exit_code if done.exit_code is not None else ExitCode.FAILED
