@@ -82,13 +82,15 @@ def open_append(path: Path) -> BinaryIO:
     return os.fdopen(_open_private(path, os.O_WRONLY | os.O_APPEND), "ab")
 
 
-def write_atomic(path: Path, text: str, *, fsync: bool = False) -> None:
-    """Replace ``path`` with ``text``, mode 0600: written to a ``mkstemp`` file beside it, then
-    renamed over it (a symlink at ``path`` is replaced, its target untouched)."""
+def write_atomic(path: Path, text: str | bytes, *, fsync: bool = False) -> None:
+    """Replace ``path`` with ``text`` (str as UTF-8, or bytes), mode 0600: written to a
+    ``mkstemp`` file beside it, then renamed over it (a symlink at ``path`` is replaced, its
+    target untouched)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    data = text.encode("utf-8") if isinstance(text, str) else text
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())

@@ -3,9 +3,11 @@ mkstemp, and never a write through a symlink planted in it (real files, real sym
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
+import shutil
 import stat
 from pathlib import Path
 
@@ -141,3 +143,18 @@ def test_submit_refuses_a_run_directory_with_a_planted_symlink(tmp_path, elsewhe
     err = capsys.readouterr()
     assert f"{name} is a symbolic link" in err.out + err.err
     assert elsewhere.read_text() == "precious"
+
+
+def test_the_demo_picture_is_private_and_replaces_a_planted_link(tmp_path, elsewhere):
+    from spikeguard.supervisor.observe.plots import plot_run
+
+    run, demo = tmp_path / "run", Path(__file__).parent / "data" / "demo_run"
+    run.mkdir()
+    shutil.copy(demo / "journal.jsonl", run / "journal.jsonl")
+    with gzip.open(demo / "reports.jsonl.gz", "rb") as f:
+        (run / "reports.jsonl").write_bytes(f.read())
+    plant(run / "report.png", elsewhere)
+    png = plot_run(run)
+    assert elsewhere.read_text() == "precious"
+    assert png == run / "report.png" and mode(png) == 0o600
+    assert png.read_bytes().startswith(b"\x89PNG")
