@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,8 +47,9 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .journal import read_events
+    from .journal import read_events, redact_fields
     from .notify.console import render_status
+    from .secrets import held_secrets
     from .status import journal_view
 
     run = Path(args.run_dir)
@@ -65,6 +67,7 @@ def _status(args: argparse.Namespace) -> int:
     for key in ("ranks", "dropped", "rank_dropped", "updated"):
         if key in live:
             status[key] = live[key]
+    status = redact_fields(status, held_secrets(os.environ))  # an older journal may hold one
     if args.json:
         print(json.dumps(status))
         return ExitCode.OK
@@ -81,8 +84,9 @@ def _status(args: argparse.Namespace) -> int:
 
 def _events(args: argparse.Namespace) -> int:
     from .events import Kind
-    from .journal import read_events
+    from .journal import read_events, redact_fields
     from .notify.describe import describe
+    from .secrets import held_secrets
 
     valid = [k.value for k in Kind]
     unknown = [k for k in args.kind or () if k not in valid]
@@ -96,9 +100,11 @@ def _events(args: argparse.Namespace) -> int:
     if not (Path(args.run_dir) / "journal.jsonl").exists():
         print(f"spikeguard: no journal in {args.run_dir}", file=sys.stderr)
         return ExitCode.BAD_INPUT
-    for ev in read_events(args.run_dir):
-        if args.kind and ev["kind"] not in args.kind:
+    held = held_secrets(os.environ)
+    for raw in read_events(args.run_dir):
+        if args.kind and raw["kind"] not in args.kind:
             continue
+        ev = redact_fields(raw, held)  # a journal written before redaction may hold a secret
         if args.json:
             print(json.dumps(ev))
         else:

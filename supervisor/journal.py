@@ -98,14 +98,7 @@ class Journal:
             return ev
 
     def _redact(self, value: Any) -> Any:
-        """``value`` with every string in it redacted (dicts and lists walked, keys kept)."""
-        if isinstance(value, str):
-            return redact(value, self.secrets)
-        if isinstance(value, dict):
-            return {k: self._redact(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [self._redact(v) for v in value]
-        return value
+        return redact_fields(value, self.secrets)
 
     def record(self, event: dict[str, Any]) -> dict[str, Any]:
         """Append an event given as a dict with a ``kind`` (what the recovery machine returns)."""
@@ -115,6 +108,19 @@ class Journal:
     def close(self) -> None:
         with self._lock:
             self._f.close()
+
+
+def redact_fields(value: Any, secrets: Iterable[str] = ()) -> Any:
+    """``value`` (an event, or any plain data) with every string in it redacted by
+    :func:`~spikeguard.workers.contract.secrets.redact`, ``secrets`` being the known values;
+    dicts and lists are walked (keys kept), other values returned as they are."""
+    if isinstance(value, str):
+        return redact(value, secrets)
+    if isinstance(value, dict):
+        return {k: redact_fields(v, secrets) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_fields(v, secrets) for v in value]
+    return value
 
 
 def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:

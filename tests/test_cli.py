@@ -112,3 +112,20 @@ def test_events_never_raises_on_odd_journal_lines(tmp_path, capsys):
     assert len(out) == 5
     assert out[0].split()[:2] == ["-", "-"] and "Launched generation 1" in out[0]
     assert "seq as a string" in out[1] and out[-1].endswith("Run stopped: by user")
+
+
+def test_events_and_status_never_show_a_secret_an_older_journal_holds(
+    tmp_path, capsys, monkeypatch
+):
+    token = "gw-7f3a9c2e5b8d1f4a"  # only the environment knows this one
+    monkeypatch.setenv("SLACK_BOT_TOKEN", token)
+    hook = "https://hooks.slack.com/services/T0/B0/s3cr3tPath"
+    ev = {"seq": 1, "kind": "failed", "time": "t", "exit_code": 1, "reason": f"{token} {hook}"}
+    ev["log_tail"] = f"token={token}"
+    (tmp_path / "journal.jsonl").write_text(json.dumps(ev) + "\n")  # written before redaction
+    for args in (["events"], ["events", "--json"], ["status"], ["status", "--json"]):
+        assert main([*args, str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert token not in out and "s3cr3tPath" not in out and "[redacted]" in out, args
+    assert main(["events", "--json", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["log_tail"] == "token=[redacted]"
