@@ -83,7 +83,6 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _events(args: argparse.Namespace) -> int:
-    from .events import Kind
     from .journal import read_events, redact_fields
     from .notify.describe import describe
     from .secrets import held_secrets
