@@ -10,6 +10,7 @@ TYPED := -p spikeguard.supervisor.recovery -p spikeguard.workers.contract -p spi
 	-m spikeguard.supervisor.collector -m spikeguard.supervisor.events \
 	-m spikeguard.supervisor.journal -m spikeguard.supervisor.controller \
 	-m spikeguard.supervisor.validate -m spikeguard.workers.checkpoint.files \
+	-m spikeguard.supervisor.secrets -m spikeguard.supervisor.launch.environment \
 	-m spikeguard.workers.checkpoint.select -m spikeguard.workers.checkpoint.format \
 	-m spikeguard.workers.checkpoint.pickle_scan -m spikeguard.workers.checkpoint.integrity
 

@@ -47,7 +47,9 @@ def register(subparsers: Any) -> None:
     )
     r.add_argument("file", help="a policy YAML file or a built-in name")
     r.add_argument(
-        "source", nargs="+", help="a run directory (its reports.jsonl) or .jsonl(.gz) report files"
+        "source",
+        nargs="+",
+        help="a run directory (its reports.jsonl or reports.jsonl.gz) or .jsonl(.gz) report files",
     )
     r.add_argument("--json", action="store_true", help="one JSON object per decision")
     r.set_defaults(func=cmd_replay)
@@ -124,12 +126,27 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+REPORTS = ("reports.jsonl", "reports.jsonl.gz")
+"""What a run directory's rank reports are called (recorded runs keep only the .gz)."""
+
+
+class NotReports(ValueError):
+    """A file that holds something other than rank reports (a run's journal)."""
+
+
+def _journal_line(msg: dict) -> bool:
+    """True for a line of a spikeguard journal (``kind`` and ``seq``) rather than a rank
+    message (which has a ``type``)."""
+    return "kind" in msg and "seq" in msg and "type" not in msg
+
+
 class _Source:
     def __init__(self) -> None:
         self.bad_lines: list[str] = []
 
     def read(self, path: Path) -> Iterator[dict]:
         opener = gzip.open if path.suffix == ".gz" else open
+        first = True
         with opener(path, "rt", encoding="utf-8", errors="replace") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
@@ -139,10 +156,38 @@ class _Source:
                 except ValueError:
                     self.bad_lines.append(f"{path}:{n}")
                     continue
-                if isinstance(msg, dict):
-                    yield msg
-                else:
+                if not isinstance(msg, dict):
                     self.bad_lines.append(f"{path}:{n}")
+                    continue
+                if first and _journal_line(msg):
+                    raise NotReports(
+                        f"{path} is a spikeguard journal (its lines have 'kind' and 'seq'), not "
+                        "rank reports: replay reads what the ranks reported, in the run "
+                        "directory's reports.jsonl or reports.jsonl.gz (pass the run directory)"
+                    )
+                first = False
+                yield msg
+
+
+def _reports_in(run_dir: Path) -> Path:
+    """The rank reports of a run directory: ``reports.jsonl``, else ``reports.jsonl.gz``."""
+    for name in REPORTS:
+        if (run_dir / name).is_file():
+            return run_dir / name
+    found = sorted(
+        x.name
+        for x in run_dir.iterdir()
+        if x.name.endswith((".jsonl", ".jsonl.gz")) and not x.name.startswith("journal.")
+    )
+    raise FileNotFoundError(
+        f"{run_dir}: no reports.jsonl (or reports.jsonl.gz) in this directory"
+        + (f" (found {', '.join(found)}: pass them as files)" if found else "")
+        + (
+            "; journal.jsonl is the run's event log, not rank reports"
+            if (run_dir / "journal.jsonl").exists()
+            else ""
+        )
+    )
 
 
 def _files(sources: list[str]) -> list[Path]:
@@ -150,13 +195,7 @@ def _files(sources: list[str]) -> list[Path]:
     for s in sources:
         p = Path(s)
         if p.is_dir():
-            if not (p / "reports.jsonl").is_file():
-                found = sorted(x.name for x in p.glob("*.jsonl"))
-                raise FileNotFoundError(
-                    f"{p}: no reports.jsonl in this directory"
-                    + (f" (found {', '.join(found)}: pass them as files)" if found else "")
-                )
-            p = p / "reports.jsonl"
+            p = _reports_in(p)
         elif not p.is_file():
             raise FileNotFoundError(f"{p}: no such file or run directory")
         out.append(p)
@@ -164,7 +203,8 @@ def _files(sources: list[str]) -> list[Path]:
 
 
 def load_messages(sources: list[str]) -> tuple[list[dict], list[str]]:
-    """Messages from run directories or .jsonl files (several files are merged by time)."""
+    """Messages from run directories (``reports.jsonl`` or ``reports.jsonl.gz``) or .jsonl(.gz)
+    files (several files are merged by time). Raises :class:`NotReports` for a journal."""
     src = _Source()
     paths = _files(sources)
     if len(paths) == 1:
@@ -220,7 +260,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return ExitCode.BAD_INPUT
     try:
         messages, bad = load_messages(args.source)
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, UnicodeDecodeError, NotReports) as e:
         print(f"spikeguard policy replay: {e}", file=sys.stderr)
         return ExitCode.BAD_INPUT
     if bad:

@@ -1,13 +1,14 @@
 """The ``spikeguard`` command.
 
-Exit codes: 0 completed · 1 failed · 2 bad input · 3 escalated (or held) ·
-5 stopped by ``spikeguard stop`` · 130 interrupted.
+Exit codes: 0 completed · 1 failed · 2 bad input (or nothing to act on: ``stop`` without a live
+supervisor) · 3 escalated (or held) · 5 stopped by ``spikeguard stop`` · 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 from spikeguard.policies import commands as policy_commands
 from spikeguard.workers.contract.exitcodes import ExitCode
 
+from . import rundir
+from .events import Kind
 from .notify.slack import command as slack_command
 
 
@@ -51,8 +54,9 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .journal import read_events
+    from .journal import read_events, redact_fields
     from .notify.console import render_status
+    from .secrets import held_secrets
     from .status import journal_view
 
     run = Path(args.run_dir)
@@ -70,6 +74,7 @@ def _status(args: argparse.Namespace) -> int:
     for key in ("ranks", "dropped", "rank_dropped", "updated"):
         if key in live:
             status[key] = live[key]
+    status = redact_fields(status, held_secrets(os.environ))  # an older journal may hold one
     if args.json:
         print(json.dumps(status))
         return ExitCode.OK
@@ -85,31 +90,78 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _events(args: argparse.Namespace) -> int:
-    from .journal import read_events
+    from .journal import read_events, redact_fields
     from .notify.describe import describe
+    from .secrets import held_secrets
 
+    valid = [k.value for k in Kind]
+    unknown = [k for k in args.kind or () if k not in valid]
+    if unknown:
+        print(
+            f"spikeguard events: unknown kind {', '.join(map(repr, unknown))}; the kinds are: "
+            + ", ".join(valid),
+            file=sys.stderr,
+        )
+        return ExitCode.BAD_INPUT
     if not (Path(args.run_dir) / "journal.jsonl").exists():
         print(f"spikeguard: no journal in {args.run_dir}", file=sys.stderr)
         return ExitCode.BAD_INPUT
-    for ev in read_events(args.run_dir):
-        if args.kind and ev["kind"] not in args.kind:
+    held = held_secrets(os.environ)
+    for raw in read_events(args.run_dir):
+        if args.kind and raw["kind"] not in args.kind:
             continue
+        ev = redact_fields(raw, held)  # a journal written before redaction may hold a secret
         if args.json:
             print(json.dumps(ev))
         else:
-            inc = f" {ev['incident']}" if ev.get("incident") else ""
-            print(f"{ev['seq']:4d} {ev['time']} {ev['kind']:<17}{inc}  {describe(ev)}")
-    return 0
+            print(_event_line(ev, describe(ev)))
+    return ExitCode.OK
+
+
+def _event_line(ev: dict[str, Any], described: str) -> str:
+    """``seq time kind incident  description``; a field the line lacks reads ``-``."""
+    seq = ev.get("seq")
+    if isinstance(seq, int) and not isinstance(seq, bool):
+        seq_text = f"{seq:4d}"
+    elif isinstance(seq, str):
+        seq_text = f"{seq:>4}"
+    else:
+        seq_text = "   -"
+    when = ev.get("time") if isinstance(ev.get("time"), str) else "-"
+    inc = f" {ev['incident']}" if ev.get("incident") else ""
+    return f"{seq_text} {when} {ev.get('kind')!s:<17}{inc}  {described}"
 
 
 def _stop(args: argparse.Namespace) -> int:
+    """Write STOP only for a live supervisor; a finished run or a dead supervisor is said so."""
+    from .journal import read_events
+    from .status import finished
+
     run = Path(args.run_dir)
     if not (run / "journal.jsonl").exists():
         print(f"spikeguard: no run in {args.run_dir}", file=sys.stderr)
         return ExitCode.BAD_INPUT
-    (run / "STOP").write_text(args.reason)
-    print(f"spikeguard: asked the supervisor of {run} to stop ({args.reason})")
-    return 0
+    ended = finished(read_events(run))
+    if ended is not None:
+        print(f"spikeguard: the run in {run} already finished: {ended}. There is nothing to stop.")
+        return ExitCode.OK
+    try:
+        holder = rundir.lock_holder(run)
+    except (OSError, rundir.UnsafePath) as e:
+        print(f"spikeguard: cannot tell whether a supervisor runs {run}: {e}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    if holder is None:
+        print(
+            f"spikeguard: no supervisor is running {run} (no process holds "
+            f"{run / rundir.LOCK_NAME}): the run did not finish, its supervisor died. Nothing "
+            "was asked to stop. `spikeguard submit` of its job on this run directory resumes it "
+            "where the journal ends.",
+            file=sys.stderr,
+        )
+        return ExitCode.BAD_INPUT
+    rundir.write_atomic(run / "STOP", args.reason)
+    print(f"spikeguard: asked the supervisor of {run} ({holder}) to stop ({args.reason})")
+    return ExitCode.OK
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -124,12 +176,24 @@ def _demo(args: argparse.Namespace) -> int:
     )
 
 
+def _version() -> str:
+    """The installed spikeguard's version (``unknown`` when run from an uninstalled tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("spikeguard")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``spikeguard`` argument parser, every command's handler as ``args.func``."""
     p = argparse.ArgumentParser(
         prog="spikeguard",
         description="Supervise distributed PyTorch training and recover loss spikes by itself.",
         epilog=__doc__.split("\n\n", 1)[1],
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("submit", help="run a job under supervision")
     s.add_argument("job", help="job YAML")
@@ -147,9 +211,20 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("events", help="the run's journal")
     s.add_argument("run_dir")
     s.add_argument("--json", action="store_true", help="JSON lines")
-    s.add_argument("--kind", action="append", help="only these kinds (repeatable)")
+    s.add_argument(
+        "--kind",
+        action="append",
+        metavar="KIND",
+        help="only events of this kind (repeatable): " + ", ".join(k.value for k in Kind),
+    )
     s.set_defaults(func=_events)
-    s = sub.add_parser("stop", help="ask a running supervisor to stop its job")
+    s = sub.add_parser(
+        "stop",
+        help="ask a running supervisor to stop its job",
+        description="Writes RUN_DIR/STOP for the live supervisor. On a finished run it says how "
+        "the run ended (exit 0); when no supervisor runs the directory (it died) it says so "
+        "and writes nothing, since a later submit would read the STOP (exit 2).",
+    )
     s.add_argument("run_dir")
     s.add_argument("--reason", default="stopped by user")
     s.set_defaults(func=_stop)

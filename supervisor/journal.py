@@ -3,7 +3,8 @@
 It is the single source for ``spikeguard status``/``events``, for Slack and
 for a restarted supervisor. One JSON object a line; each append is flushed
 and fsynced before ``append`` returns, so an event that was acted upon is on
-disk. A torn last line (the supervisor died mid-write) is ignored on read.
+disk. A torn last line (the supervisor died mid-write) is ignored on read. The file is private
+(0600) and never opened through a symlink (:func:`.rundir.open_append`).
 
 Every event has ``seq``, ``kind`` (:class:`~.events.Kind`), ``time`` (ISO-8601 UTC), ``mono``
 (seconds on the supervisor's monotonic clock since it started), ``run``, ``incident`` (or null)
@@ -11,6 +12,12 @@ and ``reason``, plus the kind's own fields. The recovery machine's events also h
 (:class:`~.events.Reason`); the first event of each of its transitions that changed its state
 records the observations that caused it (``obs``) and a fingerprint of the state after it
 (``state_digest``): replaying ``obs`` through the machine rebuilds that state (``fold``).
+
+No secret is ever written: :meth:`Journal.append` is the one place every event passes, and it
+redacts every string in it (nested ones too) with the one scanner
+(:func:`~spikeguard.workers.contract.secrets.redact`): anything shaped like a credential, and the
+values of the secrets the supervisor holds (:func:`~.secrets.held_secrets`). A rank's log tail or
+an error text that quotes the Slack token or the webhook URL reads ``[redacted]``.
 """
 
 from __future__ import annotations
@@ -20,11 +27,15 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from spikeguard.workers.contract.secrets import redact
+
+from . import rundir
 from .events import Kind
+from .secrets import held_secrets
 
 JOURNAL_NAME = "journal.jsonl"
 
@@ -32,16 +43,26 @@ JOURNAL_NAME = "journal.jsonl"
 class Journal:
     """Append-only event log. Thread-safe (the Slack sender journals from its own thread)."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], *, run: str) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        run: str,
+        secrets: Iterable[str] | None = None,
+    ) -> None:
+        """Open (or continue) ``RUN_DIR/journal.jsonl``. ``secrets``: the values to redact
+        besides anything shaped like a credential (default: those this process's environment
+        holds, :func:`~.secrets.held_secrets`)."""
         self.path = Path(run_dir) / JOURNAL_NAME
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run = run
+        self.secrets = tuple(held_secrets(os.environ) if secrets is None else secrets)
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
+        rundir.private_dir(self.path.parent)
+        self._f = rundir.open_append(self.path)  # 0600, never through a symlink (UnsafePath)
         existing = read_events(self.path)
         self._seq = existing[-1]["seq"] if existing else 0
         self._mono_base = existing[-1].get("mono", 0.0) if existing else 0.0
-        self._f = open(self.path, "ab")
         if self._f.tell() > 0:
             with open(self.path, "rb") as r:
                 r.seek(-1, os.SEEK_END)
@@ -70,10 +91,14 @@ class Journal:
                 "reason": fields.pop("reason", ""),
             }
             ev.update(fields)
+            ev = {k: v if k == "kind" else self._redact(v) for k, v in ev.items()}
             self._f.write((json.dumps(ev, default=str) + "\n").encode())
             self._f.flush()
             os.fsync(self._f.fileno())
             return ev
+
+    def _redact(self, value: Any) -> Any:
+        return redact_fields(value, self.secrets)
 
     def record(self, event: dict[str, Any]) -> dict[str, Any]:
         """Append an event given as a dict with a ``kind`` (what the recovery machine returns)."""
@@ -83,6 +108,19 @@ class Journal:
     def close(self) -> None:
         with self._lock:
             self._f.close()
+
+
+def redact_fields(value: Any, secrets: Iterable[str] = ()) -> Any:
+    """``value`` (an event, or any plain data) with every string in it redacted by
+    :func:`~spikeguard.workers.contract.secrets.redact`, ``secrets`` being the known values;
+    dicts and lists are walked (keys kept), other values returned as they are."""
+    if isinstance(value, str):
+        return redact(value, secrets)
+    if isinstance(value, dict):
+        return {k: redact_fields(v, secrets) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_fields(v, secrets) for v in value]
+    return value
 
 
 def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:

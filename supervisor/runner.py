@@ -13,12 +13,13 @@ from spikeguard.workers.contract.exitcodes import ExitCode
 from . import recovery as rc
 from . import rundir
 from .controller import Controller
-from .events import TERMINAL_KINDS, Kind
+from .events import Kind
 from .job import JobSpec
 from .journal import read_events
 from .launch.group import GroupSpec, WorkerGroup, python_cmd
 from .launch.ray_init import init_ray
 from .notify.console import ConsoleNotifier, LiveView
+from .status import finished
 
 
 def routed(notify: Any, destination: str) -> tuple[str, ...]:
@@ -81,6 +82,11 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
 
     policy = load_policy(job.policy)
     run_dir = job.resolved_run_dir()
+    try:
+        rundir.refuse_links(run_dir)
+    except rundir.UnsafePath as e:
+        print(f"spikeguard: {e}", flush=True)
+        return ExitCode.BAD_INPUT
     events = read_events(run_dir)
     if not replayable(events):
         print(
@@ -92,18 +98,21 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         return ExitCode.BAD_INPUT
     done = finished_outcome(events) if events else None
     if done is not None:
-        last = next((e for e in reversed(events) if e["kind"] in TERMINAL_KINDS), {})
         print(
-            f"spikeguard: run {job.name} in {run_dir} already finished: "
-            f"{done.phase.value.lower()} (exit code {done.exit_code}) at "
-            f"{last.get('time', '?')}: {last.get('reason', '')}. Nothing to do; its journal is "
-            "final. Use another --run-dir or --name for a new run.",
+            f"spikeguard: run {job.name} in {run_dir} already finished: {finished(events)}. "
+            "Nothing to do; its journal is final. Use another --run-dir or --name for a new run.",
             flush=True,
         )
         return done.exit_code if done.exit_code is not None else ExitCode.FAILED
     try:
         lock = rundir.acquire_lock(run_dir)
-    except rundir.LockHeld as e:
+    except (rundir.LockHeld, rundir.UnsafePath) as e:
+        print(f"spikeguard: {e}", flush=True)
+        return ExitCode.BAD_INPUT
+    try:  # private: 0700, the files 0600 (the controller appends to journal and reports)
+        rundir.prepare(run_dir)
+    except rundir.UnsafePath as e:
+        lock.close()
         print(f"spikeguard: {e}", flush=True)
         return ExitCode.BAD_INPUT
     t = job.timeouts
@@ -166,7 +175,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         return ctl.run(resume_events=events or None)
     except KeyboardInterrupt:
         if ctl is not None:
-            ctl.stop_file.write_text("interrupted (Ctrl-C)")
+            rundir.write_atomic(ctl.stop_file, "interrupted (Ctrl-C)")
             ctl.step()
         return ExitCode.INTERRUPTED
     finally:

@@ -17,6 +17,7 @@ from typing import Any
 
 from . import recovery as rc
 from .collector import Collector
+from .events import TERMINAL_KINDS
 
 
 def run_view(state: rc.State) -> dict[str, Any]:
@@ -48,6 +49,22 @@ def journal_view(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         else {k: last.get(k) for k in ("seq", "kind", "time", "reason", "incident")}
     )
     return view
+
+
+def finished(events: list[dict[str, Any]]) -> str | None:
+    """How the run ended, when its journal folds to a terminal phase (``completed (exit code 0)
+    at TIME: REASON``); None for a run that has not ended (or a journal that does not fold)."""
+    try:
+        state = rc.fold(events)
+    except (ValueError, TypeError, KeyError):
+        return None
+    if state.phase not in rc.TERMINAL:
+        return None
+    last = next((e for e in reversed(events) if e.get("kind") in TERMINAL_KINDS), {})
+    return (
+        f"{state.phase.value.lower()} (exit code {state.exit_code}) at "
+        f"{last.get('time', '?')}: {last.get('reason', '')}"
+    )
 
 
 def _finite(x: Any) -> Any:

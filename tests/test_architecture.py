@@ -83,6 +83,8 @@ PURE = [
     "spikeguard.supervisor.events",
     "spikeguard.supervisor.journal",
     "spikeguard.supervisor.controller",
+    "spikeguard.supervisor.secrets",
+    "spikeguard.supervisor.launch.environment",
     "spikeguard.policies",
     "spikeguard.workers.contract",
     "spikeguard.workers.checkpoint.select",

@@ -65,3 +65,20 @@ def test_live_view_renders_what_status_json_holds():
         "r0: step 1210 S5 H_min/max 0.312 loss nan\n"
     )
     assert render_status(json.loads(json.dumps(status))) == out.getvalue().rstrip("\n")
+
+
+def test_the_console_never_prints_a_secret(monkeypatch):
+    token = "gw-7f3a9c2e5b8d1f4a"  # a gateway's token: only the supervisor's environment knows it
+    monkeypatch.setenv("SLACK_BOT_TOKEN", token)
+    out = io.StringIO()
+    ConsoleNotifier(out).handle(
+        {
+            "kind": "failed",
+            "mono": 3.0,
+            "exit_code": 1,
+            "reason": f"rank 0 crashed: auth {token} at https://hooks.slack-gov.com/services/T/B/x",
+        }
+    )
+    line = out.getvalue()
+    assert token not in line and "hooks.slack-gov.com" not in line
+    assert "Run FAILED (exit code 1): rank 0 crashed: auth [redacted] at https://[redacted]" in line

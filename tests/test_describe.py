@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 from fakeslack import incident_events
 from spikeguard.supervisor.events import Kind
-from spikeguard.supervisor.notify.describe import TEMPLATES, describe, num, ranks_text
+from spikeguard.supervisor.notify.describe import (
+    TEMPLATES,
+    describe,
+    num,
+    passed_over,
+    ranks_text,
+    skip_category,
+)
 
 DATA = Path(__file__).parent / "data"
 
@@ -79,8 +86,7 @@ def test_the_recovery_story_in_words():
         "entropy-collapse fired at step 1,230 → recover: "
         "attention entropy of blocks.7.attn fell below 0.3",
         "Killed ranks 0–3 in 1.4 s",
-        "Rolled back to step 1,100 ckpt/step-1100 (checkpoint S6); "
-        "skipped: ckpt/step-1200 (graded S3 < S5)",
+        "Rolled back to step 1,100 (S6); passed over 1 newer checkpoint (1 graded S3 < S5)",
         "LR cut ×0.5: LR scale now 0.5",
         "Optimizer reset: optimizer state cleared, weights kept",
         "Launched generation 1, LR scale 0.5",
@@ -125,3 +131,96 @@ def test_a_malformed_event_never_raises(kind):
             assert isinstance(describe(event, markup), str)
         assert isinstance(describe({"kind": kind}), str)
     assert describe("not an event") == "—"  # type: ignore[arg-type]
+
+
+def skip(reason: object, path: str = "/run/checkpoints/ckpt.pt") -> dict:
+    return {"path": path, "reason": reason}
+
+
+ROLLBACK = {
+    "kind": "rollback",
+    "checkpoint_step": 550,
+    "checkpoint_path": "/run/checkpoints/ckpt-step00000550-gen001-rank0.pt",
+    "grade": 6,
+    "skipped": [
+        skip("step 750 > 575 = before_step - min_steps_back 200"),
+        skip("step 700 > 575 = before_step - min_steps_back 200"),
+        skip("grade 3 < min_grade 4"),
+        skip("failed verification: sha256 mismatch: the file was altered"),
+    ],
+}
+
+
+def test_the_rollback_line_counts_what_it_passed_over_and_why():
+    assert describe(ROLLBACK) == (
+        "Rolled back to step 550 (S6); passed over 4 newer checkpoints "
+        "(2 within min_steps_back 200, 1 graded S3 < S4, 1 failed verification)"
+    )
+    assert describe(ROLLBACK, "mrkdwn").startswith("*Rolled back* to step 550 (S6); passed over")
+    assert unmark(describe(ROLLBACK, "mrkdwn")) == describe(ROLLBACK)
+
+
+@pytest.mark.parametrize(
+    "reason, category",
+    [
+        ("step 750 > 575 = before_step - min_steps_back 200", "within min_steps_back 200"),
+        ("generation 1 step 750 is off the current lineage", "off the current lineage"),
+        ("ungraded (no integer 'grade' in meta)", "ungraded"),
+        ("grade 2 < min_grade 4", "graded S2 < S4"),
+        ("grade S2 < S4", "graded S2 < S4"),
+        ("graded S3 < S5", "graded S3 < S5"),
+        ("failed verification: size 10 != 20 in the sidecar (truncated?)", "failed verification"),
+        ("sha256 mismatch", "failed verification"),
+        ("the disk ate it", "other"),
+        ("", "other"),
+        (None, "other"),
+        (42, "other"),
+    ],
+)
+def test_each_skip_reason_falls_in_one_category(reason, category):
+    assert skip_category(reason) == category
+
+
+def test_checkpoints_graded_differently_share_one_count():
+    skipped = [skip("grade 3 < min_grade 4"), skip("grade 1 < min_grade 4"), "junk", skip(None)]
+    assert passed_over(skipped) == "passed over 4 newer checkpoints (2 graded below S4, 2 other)"
+    assert passed_over([]) == "" and passed_over(None) == ""
+
+
+def test_without_a_checkpoint_the_line_says_what_was_passed_over():
+    ev = {
+        "kind": "rollback",
+        "checkpoint_step": None,
+        "reason": "no checkpoint graded >= S4 before step 40",
+        "skipped": [skip("grade 2 < min_grade 4"), skip("grade 2 < min_grade 4")],
+    }
+    assert describe(ev) == (
+        "No checkpoint to roll back to: no checkpoint graded >= S4 before step 40; "
+        "passed over 2 checkpoints (2 graded S2 < S4)"
+    )
+
+
+def test_the_rollback_line_stays_short_however_many_were_passed_over():
+    ev = dict(
+        ROLLBACK,
+        skipped=[
+            skip(
+                f"step {s} > 575 = before_step - min_steps_back 200",
+                f"/a/very/long/path/ckpt-step{s:08d}-gen001-rank0.pt",
+            )
+            for s in range(600, 600 + 50 * 40, 40)
+        ],
+    )
+    line = describe(ev)
+    assert len(line) < 120 and "50 newer checkpoints (50 within min_steps_back 200)" in line
+    assert "/a/very/long/path" not in line
+
+
+def test_the_demo_runs_rollbacks_in_words():
+    lines = [describe(e) for e in journal("demo_run") if e["kind"] == "rollback"]
+    assert lines == [
+        "Rolled back to step 550 (S6); passed over 4 newer checkpoints "
+        "(4 within min_steps_back 200)",
+        "Rolled back to step 700 (S6); passed over 5 newer checkpoints "
+        "(4 within min_steps_back 200, 1 off the current lineage)",
+    ]

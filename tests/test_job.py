@@ -123,3 +123,21 @@ def test_submit_turns_an_unforeseen_load_error_into_one_line(tmp_path, monkeypat
     assert main(["submit", str(write(tmp_path, GOOD))]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "RecursionError" in err and "job.yaml" in err
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "xapp-1-A0123456789-1234567890123-abcdef",  # an app-level (Socket Mode) token
+        "xoxe.xoxp-1-Mi0yLTEyMzQ1Njc4OQ",  # a refresh token
+        "xoxe-1-My0xLTEyMzQ1Njc4OTA",  # a configuration token
+        "https://hooks.slack-gov.com/services/T0000/B0000/XXXXXXXX",  # a GovSlack webhook
+    ],
+)
+def test_every_slack_credential_shape_in_a_job_file_is_refused(tmp_path, value):
+    p = write(tmp_path, GOOD + f'env:\n  SOCKET_MODE: "{value}"\n')
+    with pytest.raises(PolicyError) as e:
+        load_job(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}:7:") and "env.SOCKET_MODE" in msg, msg
+    assert "secrets never go in a job file" in msg and value not in msg

@@ -43,3 +43,41 @@ def test_monotonic_time_continues_across_restarts(tmp_path):
     j.close()
     b = Journal(tmp_path, run="r").append("completed")["mono"]
     assert b >= a
+
+
+GATEWAY_TOKEN = "gw-7f3a9c2e5b8d1f4a"  # a Slack-compatible gateway's token: no pattern knows it
+HOOK = "https://hooks.slack.com/services/T0000/B0000/XXXXs3cr3t"
+
+
+def test_every_string_field_is_journaled_redacted(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLACK_BOT_TOKEN", GATEWAY_TOKEN)  # what the supervisor holds
+    j = Journal(tmp_path, run="r")
+    ev = j.append(
+        "notify_undelivered",
+        reason=f"slack-sdk: Invalid URL detected: {HOOK}",
+        what="inc-001 kill",
+        error=f"invalid_auth for token {GATEWAY_TOKEN}",
+    )
+    j.append(
+        "incident",
+        incident="inc-001",
+        reason="rank 1 crashed",
+        log_tail=f"Traceback ...\nos.environ['SLACK_BOT_TOKEN'] = '{GATEWAY_TOKEN}'\n",
+        context={"ranks": [{"log_tail": f"sent to {HOOK}", "exit_code": 1}], "steps": [1, 2]},
+    )
+    j.close()
+    text = (tmp_path / "journal.jsonl").read_text()
+    assert GATEWAY_TOKEN not in text and "XXXXs3cr3t" not in text and "hooks.slack.com" not in text
+    assert text.count("[redacted]") == 4
+    # what the notifiers get is what was written
+    assert GATEWAY_TOKEN not in json.dumps(ev) and "[redacted]" in ev["error"]
+    inc = read_events(tmp_path)[1]
+    assert inc["log_tail"].startswith("Traceback ...") and inc["context"]["steps"] == [1, 2]
+    assert inc["context"]["ranks"][0]["exit_code"] == 1
+    assert inc["kind"] == "incident" and inc["incident"] == "inc-001"
+
+
+def test_the_secrets_to_redact_can_be_given(tmp_path):
+    j = Journal(tmp_path, run="r", secrets=["hunter2-and-more"])
+    ev = j.append("alert", reason="password hunter2-and-more leaked; xoxp-1-2-3 too")
+    assert ev["reason"] == "password [redacted] leaked; [redacted] too"

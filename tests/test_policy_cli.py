@@ -299,3 +299,25 @@ def test_replay_merges_several_rank_files_by_time(tmp_path, capsys):
     )
     assert code == 0
     assert "grade-drop" in out and "step    500" in out and "rank  0" in out
+
+
+DEMO_RUN = ROOT / "tests" / "data" / "demo_run"
+
+
+def test_replay_reads_a_run_directory_with_only_a_gzipped_reports_file(capsys):
+    assert not (DEMO_RUN / "reports.jsonl").exists()  # the recording keeps only the .gz
+    code, out, err = run_in_process(capsys, "replay", "default", str(DEMO_RUN))
+    assert code == 0, err
+    same, gz, _ = run_in_process(capsys, "replay", "default", str(DEMO_RUN / "reports.jsonl.gz"))
+    assert same == 0 and out == gz
+    assert "entropy-collapse" in out and "step    775" in out and "step    900" in out
+
+
+def test_replay_refuses_a_journal_passed_as_reports(tmp_path, capsys):
+    code, out, err = run_in_process(capsys, "replay", "default", str(DEMO_RUN / "journal.jsonl"))
+    assert code == 2 and not out
+    assert "journal" in err and "not rank reports" in err and "reports.jsonl" in err
+    # a run directory holding only a journal: no hint to pass the journal as reports
+    (tmp_path / "journal.jsonl").write_text((DEMO_RUN / "journal.jsonl").read_text())
+    code, _, err = run_in_process(capsys, "replay", "default", str(tmp_path))
+    assert code == 2 and "no reports.jsonl" in err and "pass them as files" not in err

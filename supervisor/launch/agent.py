@@ -154,9 +154,10 @@ class RankAgent:
             self._lines.clear()
             self._overflow = 0
             self._last_rx = time.monotonic()
-        full_env = dict(os.environ)
-        full_env.update(env)
-        full_env[contract.ENV_REPORT] = f"unix://{sock}"
+        from .environment import rank_environment
+
+        # never the supervisor's secrets: the rank runs the user's script and its libraries
+        full_env = rank_environment(os.environ, env, {contract.ENV_REPORT: f"unix://{sock}"})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         if self._log is not None:

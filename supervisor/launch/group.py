@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -21,6 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from spikeguard.workers import contract
 
+from .. import rundir
 from .agent import RankAgent
 from .types import GroupSpec, KillReport, LaunchedRank, LaunchError, NodeInfo, RankKill, RankPoll
 
@@ -176,6 +178,10 @@ class WorkerGroup:
             if plan_path:
                 rank_env[contract.ENV_RESUME] = plan_path
             log = os.path.join(self.run_dir, "logs", f"gen{generation:03d}-rank{r}.log")
+            try:  # private (0600 in a 0700 logs/) before the agent appends to it
+                rundir.private_log(Path(log))
+            except (OSError, rundir.UnsafePath) as e:
+                raise LaunchError(f"cannot create the log of rank {r}: {e}"[:500]) from e
             calls.append(
                 agent.start.remote(
                     generation=generation, cmd=cmd, env=rank_env, cwd=os.getcwd(), log_path=log

@@ -1,19 +1,24 @@
 """Console output: the story as it is journaled, and a live per-rank view.
 
 :class:`ConsoleNotifier` prints one line per story event (:data:`~..events.STORY_KINDS`) with
-:func:`.describe.describe`; :class:`LiveView` and ``spikeguard status`` print
+:func:`.describe.describe`, redacted like the journal (no token or webhook URL ever reaches a
+terminal or a log collector); :class:`LiveView` and ``spikeguard status`` print
 :func:`render_status` of the status dict (``status.json``, :func:`..status.live_status`).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any, TextIO
 
+from spikeguard.workers.contract.secrets import redact
 from spikeguard.workers.contract.signals import grade_text
 
 from ..events import STORY_KINDS
+from ..secrets import held_secrets
 from ..status import live_status
 from .describe import describe
 
@@ -23,10 +28,18 @@ class ConsoleNotifier:
     policy's ``notify.routes`` send to the console)."""
 
     def __init__(
-        self, out: TextIO | None = None, severities: tuple[str, ...] = ("info", "warn", "page")
+        self,
+        out: TextIO | None = None,
+        severities: tuple[str, ...] = ("info", "warn", "page"),
+        *,
+        secrets: Iterable[str] | None = None,
     ) -> None:
+        """Print to ``out`` (stdout) the alerts of ``severities`` and every other story event.
+        ``secrets``: values to redact besides anything shaped like a credential (default: those
+        this process's environment holds)."""
         self.out = out or sys.stdout
         self.severities = severities
+        self.secrets = tuple(held_secrets(os.environ) if secrets is None else secrets)
 
     def handle(self, ev: dict[str, Any]) -> None:
         """Print ``ev`` if a person following the run wants to read it."""
@@ -34,7 +47,8 @@ class ConsoleNotifier:
             return
         if ev.get("kind") == "alert" and str(ev.get("severity") or "warn") not in self.severities:
             return
-        print(f"[spikeguard {ev['mono']:8.1f}s] {describe(ev)}", file=self.out, flush=True)
+        line = redact(describe(ev), self.secrets)
+        print(f"[spikeguard {ev['mono']:8.1f}s] {line}", file=self.out, flush=True)
 
 
 class LiveView:

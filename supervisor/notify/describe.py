@@ -4,6 +4,10 @@ Each event kind has one template (:data:`TEMPLATES`), written once and rendered 
 markups: ``plain`` text (the console, logs, Slack's notification fallback) or Slack ``mrkdwn``
 (bold, code and ``&<>`` escaping). The words are the same in both.
 
+A rollback's line counts the checkpoints it passed over by reason (:func:`passed_over`) rather
+than listing their paths, so it stays one short line however many there were; Slack's reply adds
+the first few paths (``slack/render.py``).
+
 Events come from the journal, which may be hand-written or older than this code: a field may be
 missing or of the wrong type. Nothing here raises on such an event; a missing value reads ``—``.
 """
@@ -11,6 +15,7 @@ missing or of the wrong type. Nothing here raises on such an event; a missing va
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -138,22 +143,68 @@ def _kill(f: _Fields) -> str:
     return f"{f.bold('Killed')} ranks {ranks} in {f.num('duration_s', 2)} s"
 
 
+_STEPS_BACK_RE = re.compile(r"min_steps_back\D{0,3}(\d+)")
+_GRADE_RE = re.compile(r"\bgraded?\s+S?(\d+)\s*<\s*(?:min_grade\s+)?S?(\d+)", re.IGNORECASE)
+_VERIFY_WORDS = ("verif", "sha256", "checksum", "corrupt", "truncat", "pickle", "unreadable")
+
+
+def _classify(reason: Any) -> tuple[str, str]:
+    """(the count a skip reason falls in, its own words): the reasons come from
+    ``workers/checkpoint/select.py`` (and the machine's tests), recognised by their wording."""
+    text = reason if isinstance(reason, str) else ""
+    low = text.lower()
+    if "min_steps_back" in low:
+        m = _STEPS_BACK_RE.search(low)
+        label = f"within min_steps_back {m.group(1)}" if m else "within min_steps_back"
+        return label, label
+    if "lineage" in low:
+        return "off the current lineage", "off the current lineage"
+    if "ungraded" in low:
+        return "ungraded", "ungraded"
+    m = _GRADE_RE.search(text)
+    if m:
+        grade, floor = grade_text(int(m.group(1))), grade_text(int(m.group(2)))
+        return f"graded below {floor}", f"graded {grade} < {floor}"
+    if any(w in low for w in _VERIFY_WORDS):
+        return "failed verification", "failed verification"
+    return "other", "other"
+
+
+def skip_category(reason: Any) -> str:
+    """Why a checkpoint was passed over, in a few words: ``within min_steps_back 200``,
+    ``off the current lineage``, ``ungraded``, ``graded S3 < S4``, ``failed verification`` or
+    ``other`` (anything else, a missing reason included)."""
+    return _classify(reason)[1]
+
+
+def passed_over(skipped: Any, *, newer: bool = True) -> str:
+    """``passed over 4 newer checkpoints (2 within min_steps_back 200, 1 graded S3 < S4, 1 failed
+    verification)``: a rollback's ``skipped`` list counted by :func:`skip_category`, in the order
+    first met (checkpoints graded differently below one floor count as ``graded below S4``);
+    ``""`` when nothing was passed over."""
+    items = _items(skipped)
+    if not items:
+        return ""
+    groups: dict[str, list[str]] = {}
+    for s in items:
+        key, label = _classify(s.get("reason") if isinstance(s, Mapping) else None)
+        groups.setdefault(key, []).append(label)
+    counts = [f"{len(v)} {v[0] if len(set(v)) == 1 else k}" for k, v in groups.items()]
+    what = f"{len(items)} {'newer ' if newer else ''}checkpoint{'s' if len(items) != 1 else ''}"
+    return f"passed over {what} ({', '.join(counts)})"
+
+
 def _rollback(f: _Fields) -> str:
-    skipped = [
-        f"{f.code(f.esc(str(s.get('path'))))} ({f.esc(str(s.get('reason')))})"
-        for s in _items(f.get("skipped"))
-        if isinstance(s, Mapping)
-    ]
-    tail = f"; skipped: {'; '.join(skipped[:5])}" if skipped else ""
-    tail += f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+    chosen = f.get("checkpoint_step") is not None
+    over = passed_over(f.get("skipped"), newer=chosen)
+    tail = f"; {f.esc(over)}" if over else ""
     for r in _items(f.get("skip_ranges"))[:3]:
         if isinstance(r, (list, tuple)) and len(r) == 2:
             tail += f"; data of steps {f.esc(num(r[0]))}–{f.esc(num(r[1]))} will be skipped"
-    if f.get("checkpoint_step") is None:
+    if not chosen:
         return f.because(f.bold("No checkpoint to roll back to")) + tail
-    path = f" {f.code(f.text('checkpoint_path'))}" if f.get("checkpoint_path") else ""
-    checkpoint = f"(checkpoint {grade_text(f.get('grade'))})"
-    return f"{f.bold('Rolled back')} to step {f.num('checkpoint_step')}{path} {checkpoint}{tail}"
+    grade = f.esc(grade_text(f.get("grade")))
+    return f"{f.bold('Rolled back')} to step {f.num('checkpoint_step')} ({grade}){tail}"
 
 
 def _preempted(f: _Fields) -> str:

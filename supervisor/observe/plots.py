@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
 
+from .. import rundir
 from ..journal import read_events
 
 
@@ -88,8 +90,10 @@ def plot_run(run_dir: str | Path, *, rank: int = 0) -> Path:
     fig.suptitle(f"spikeguard run {Path(run_dir).name}")
     fig.tight_layout()
     out = Path(run_dir) / "report.png"
-    fig.savefig(out, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
+    rundir.write_atomic(out, png.getvalue())  # private (0600), never through a symlink
     return out
 
 

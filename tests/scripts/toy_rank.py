@@ -25,11 +25,14 @@ the step this generation started at. Modes:
                  count that is a string), send an unencodable report through the SDK, plant
                  look-alike checkpoints (a 400-digit grade, deep JSON, a FIFO data file, a
                  symlink loop) and dump its environment's names to ``$SG_ENV_OUT``; then exit 3
+
+``--env-out DIR`` writes the environment the rank started with to ``DIR/rank{RANK}.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -178,9 +181,13 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--slow-sleep", type=float, default=1.0)
+    p.add_argument("--env-out", help="write this rank's environment to DIR/rank{RANK}.json")
     args = p.parse_args()
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if args.env_out:
+        with open(os.path.join(args.env_out, f"rank{rank}.json"), "w") as f:
+            json.dump(dict(os.environ), f)
     gen = int(os.environ.get("SPIKEGUARD_GENERATION", 1))
     _, flags, _ = faults(rank, gen)
     if "ignore_term" in flags:

@@ -14,7 +14,9 @@ class ExitCode(enum.IntEnum):
     FAILED = 1
     """A rank crashed with no rule recovering it, or launches kept failing."""
     BAD_INPUT = 2
-    """A job or policy file is invalid, or the run directory is held by another supervisor."""
+    """A job or policy file is invalid, the run directory is held by another supervisor (or is
+    unsafe: a planted symlink), or a command has nothing to act on (``stop`` without a live
+    supervisor)."""
     ESCALATED = 3
     """The recovery budget is spent, no healthy checkpoint exists, or the job is held."""
     STOPPED = 5

@@ -335,6 +335,24 @@ def root_message(view: IncidentView, links: Links, mention: str | None) -> Slack
     return SlackMessage(clip(_ping(esc(fallback), mention, ping), TEXT_MAX), blocks)
 
 
+def rollback_detail(event: Mapping[str, Any], limit: int = 5) -> str:
+    """What a rollback reply adds under the describer's line (which counts the checkpoints passed
+    over by reason): the chosen checkpoint's path and the first ``limit`` passed over, each with
+    its reason (``"checkpoint `…`; passed over: `…` (…); … and 3 more"``); ``""`` for neither."""
+    parts = []
+    if event.get("checkpoint_path"):
+        parts.append(f"checkpoint `{esc(event.get('checkpoint_path'))}`")
+    raw = event.get("skipped")
+    skipped = [s for s in raw if isinstance(s, Mapping)] if isinstance(raw, list) else []
+    if skipped:
+        listed = "; ".join(
+            f"`{esc(s.get('path'))}` ({esc(s.get('reason'))})" for s in skipped[:limit]
+        )
+        more = f" and {len(skipped) - limit} more" if len(skipped) > limit else ""
+        parts.append(f"passed over: {listed}{more}")
+    return "; ".join(parts)
+
+
 def step_message(
     event: Mapping[str, Any], view: IncidentView, links: Links, mention: str | None
 ) -> SlackMessage:
@@ -363,6 +381,8 @@ def step_message(
         )
     elif why and why not in line and kind not in ("rollback", "lr_cut"):
         blocks.append(_context(why))  # unless the line says it, or the reason restates the line
+    elif kind == Kind.ROLLBACK and rollback_detail(event):
+        blocks.append(_context(rollback_detail(event)))
     return SlackMessage(
         clip(_ping(esc(f"[{view.incident}] {describe(event)}"), mention, ping), TEXT_MAX),
         blocks,

@@ -1,0 +1,39 @@
+"""The environment of a rank's process, built explicitly (no Ray, no I/O).
+
+A rank runs the user's script and every library it imports, so it inherits nothing the
+supervisor holds in confidence: the agent's environment (on an embedded Ray, the environment
+``spikeguard submit`` was started in) minus every variable :func:`~..secrets.withheld` names
+(a secret by name or by value, the supervisor's notification settings), plus the job's and the
+launcher's variables.
+
+A training script that needs a credential of its own (``HF_TOKEN``, ``WANDB_API_KEY``) reads it
+from where that library keeps it on disk (``~/.cache/huggingface/token``, ``~/.netrc``), not
+from the supervisor's environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..secrets import withheld
+
+
+def rank_environment(
+    base_env: Mapping[str, str],
+    job_env: Mapping[str, str],
+    launcher_env: Mapping[str, str],
+) -> dict[str, str]:
+    """The environment a rank's process starts with.
+
+    ``base_env``: the agent's own environment, filtered: every variable :func:`withheld` names
+    is dropped (``SLACK_BOT_TOKEN``, ``SPIKEGUARD_SLACK_*``, ``SPIKEGUARD_PAGER*``,
+    ``AWS_SECRET_ACCESS_KEY``, a value shaped like a token or webhook URL, …); ``PATH``,
+    ``OMP_NUM_THREADS``, ``HF_HOME`` and the like pass. ``job_env``: what the supervisor sends
+    for the rank (the job file's ``env``, which the job loader already refuses secrets in, and
+    the torchrun and ``SPIKEGUARD_*`` variables of this launch). ``launcher_env``: what the agent
+    adds (its report socket). Later mappings win; none of the inputs is changed.
+    """
+    env = {k: v for k, v in base_env.items() if withheld(k, v) is None}
+    env.update(job_env)
+    env.update(launcher_env)
+    return env
