@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from spikeguard.policies.loader import load_model_file
 from spikeguard.workers.contract.secrets import find_secret
 
+from .secrets import notify_variable
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
@@ -98,6 +100,11 @@ class JobSpec(_Strict):
     """A policy file (relative to the job file) or a built-in name: default, conservative,
     aggressive."""
     env: dict[str, str] = {}
+    pass_env: list[str] = []
+    """Names of variables of the supervisor's environment the ranks need although they look like
+    secrets (``WANDB_API_KEY``, ``HF_TOKEN``): passed as they are. Every other secret in the
+    supervisor's environment is withheld from the ranks, and its own notification settings
+    (``SLACK_BOT_TOKEN``, ``SPIKEGUARD_SLACK_*``) never pass."""
     """Extra environment variables for the ranks (never secrets: those stay in your environment)."""
     timeouts: Timeouts = Timeouts()
     """Hang detection and kill settings."""
@@ -112,6 +119,17 @@ class JobSpec(_Strict):
         found = find_secret(v)
         if found:
             raise ValueError(f"env.{found.path[0]}: {found.message('job file')}")
+        return v
+
+    @field_validator("pass_env")
+    @classmethod
+    def _passable(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if notify_variable(name):
+                raise ValueError(
+                    f"pass_env: {name} is a notification setting of the supervisor; it never "
+                    "reaches a rank"
+                )
         return v
 
     @model_validator(mode="after")

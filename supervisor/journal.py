@@ -38,6 +38,10 @@ from .events import Kind
 from .secrets import held_secrets
 
 JOURNAL_NAME = "journal.jsonl"
+VERBATIM = frozenset({"kind", "obs", "state_digest"})
+"""Fields written as they are: the kind, and what a restart replays (the recovery machine's
+observations: rule names, numbers, checkpoint paths — a path that happened to look like a
+token must still name the checkpoint after a restart)."""
 
 
 class Journal:
@@ -91,7 +95,7 @@ class Journal:
                 "reason": fields.pop("reason", ""),
             }
             ev.update(fields)
-            ev = {k: v if k == "kind" else self._redact(v) for k, v in ev.items()}
+            ev = {k: v if k in VERBATIM else self._redact(v) for k, v in ev.items()}
             self._f.write((json.dumps(ev, default=str) + "\n").encode())
             self._f.flush()
             os.fsync(self._f.fileno())

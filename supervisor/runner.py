@@ -123,6 +123,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
             cpus_per_worker=job.cpus_per_worker,
             gpus_per_worker=job.gpus_per_worker,
             agent_timeout_s=t.agent_timeout_s,
+            pass_env=tuple(job.pass_env),
         ),
         run_id=job.name,
         run_dir=str(run_dir),

@@ -81,3 +81,15 @@ def test_the_secrets_to_redact_can_be_given(tmp_path):
     j = Journal(tmp_path, run="r", secrets=["hunter2-and-more"])
     ev = j.append("alert", reason="password hunter2-and-more leaked; xoxp-1-2-3 too")
     assert ev["reason"] == "password [redacted] leaked; [redacted] too"
+
+
+def test_what_a_restart_replays_is_written_verbatim(tmp_path):
+    # a checkpoint path that happens to look like a token must still name the checkpoint when a
+    # restarted supervisor replays the observation; the prose around it is redacted
+    odd = "/runs/hf_" + "a" * 30 + "/ckpt.pt"
+    j = Journal(tmp_path, run="r", secrets=())
+    ev = j.append("rollback", reason=f"rolled back to {odd}", obs=[{"type": "X", "path": odd}])
+    j.close()
+    assert ev["obs"][0]["path"] == odd and odd not in ev["reason"]
+    (line,) = read_events(tmp_path)
+    assert line["obs"][0]["path"] == odd and "[redacted]" in line["reason"]

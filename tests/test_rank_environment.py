@@ -149,3 +149,28 @@ def test_the_rank_agent_starts_its_process_with_the_filtered_environment(tmp_pat
     assert not set(SECRETS) & set(env), sorted(set(SECRETS) & set(env))
     assert env["RANK"] == "0" and env["MY_JOB_VAR"] == "1" and env["HF_HOME"] == "/data/hf"
     assert env["SPIKEGUARD_REPORT"].startswith("unix://") and "PATH" in env
+
+
+def test_a_job_can_pass_a_named_credential_but_never_the_supervisors_own():
+    base = {
+        "WANDB_API_KEY": "0123456789abcdef0123456789abcdef",
+        "HF_TOKEN": "hf_" + "a" * 34,
+        "SLACK_BOT_TOKEN": "xoxb-1-2-3",
+        "PATH": "/usr/bin",
+    }
+    env = rank_environment(base, {}, {}, passed=("WANDB_API_KEY", "SLACK_BOT_TOKEN"))
+    assert env["WANDB_API_KEY"] == base["WANDB_API_KEY"]  # named by the job: passed
+    assert "HF_TOKEN" not in env and "SLACK_BOT_TOKEN" not in env  # not named / never passed
+    assert env["PATH"] == "/usr/bin"
+
+
+def test_the_job_file_refuses_to_pass_a_notification_setting(tmp_path):
+    from spikeguard.policies import PolicyError
+    from spikeguard.supervisor.job import load_job
+
+    p = tmp_path / "job.yaml"
+    p.write_text("name: j\nentrypoint: t.py\npass_env: [WANDB_API_KEY, SLACK_BOT_TOKEN]\n")
+    with pytest.raises(PolicyError, match="SLACK_BOT_TOKEN is a notification setting"):
+        load_job(p)
+    p.write_text("name: j\nentrypoint: t.py\npass_env: [WANDB_API_KEY]\n")
+    assert load_job(p).pass_env == ["WANDB_API_KEY"]

@@ -140,9 +140,17 @@ class RankAgent:
 
     # -- process lifecycle ------------------------------------------------------------------
     def start(
-        self, *, generation: int, cmd: list[str], env: dict[str, str], cwd: str, log_path: str
+        self,
+        *,
+        generation: int,
+        cmd: list[str],
+        env: dict[str, str],
+        cwd: str,
+        log_path: str,
+        pass_env: tuple[str, ...] = (),
     ) -> LaunchedRank:
-        """Start generation ``generation`` of this rank (``env`` holds its torchrun variables)."""
+        """Start generation ``generation`` of this rank (``env`` holds its torchrun variables;
+        ``pass_env`` names the agent's variables the rank gets although they look secret)."""
         if self._proc is not None and self._proc.poll() is None:
             self.kill()
         sock = os.path.join(self._sockdir, f"r{self.rank}-g{generation}.sock")
@@ -157,7 +165,8 @@ class RankAgent:
         from .environment import rank_environment
 
         # never the supervisor's secrets: the rank runs the user's script and its libraries
-        full_env = rank_environment(os.environ, env, {contract.ENV_REPORT: f"unix://{sock}"})
+        report = {contract.ENV_REPORT: f"unix://{sock}"}
+        full_env = rank_environment(os.environ, env, report, passed=pass_env)
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         if self._log is not None:

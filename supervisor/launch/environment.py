@@ -6,22 +6,24 @@ supervisor holds in confidence: the agent's environment (on an embedded Ray, the
 (a secret by name or by value, the supervisor's notification settings), plus the job's and the
 launcher's variables.
 
-A training script that needs a credential of its own (``HF_TOKEN``, ``WANDB_API_KEY``) reads it
-from where that library keeps it on disk (``~/.cache/huggingface/token``, ``~/.netrc``), not
-from the supervisor's environment.
+A training script that needs a credential of its own (``HF_TOKEN``, ``WANDB_API_KEY``) gets it
+only when the job names it in ``pass_env`` (the supervisor's notification settings never pass),
+or reads it from where that library keeps it on disk (``~/.cache/huggingface/token``,
+``~/.netrc``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
-from ..secrets import withheld
+from ..secrets import notify_variable, withheld
 
 
 def rank_environment(
     base_env: Mapping[str, str],
     job_env: Mapping[str, str],
     launcher_env: Mapping[str, str],
+    passed: Iterable[str] = (),
 ) -> dict[str, str]:
     """The environment a rank's process starts with.
 
@@ -31,9 +33,12 @@ def rank_environment(
     ``OMP_NUM_THREADS``, ``HF_HOME`` and the like pass. ``job_env``: what the supervisor sends
     for the rank (the job file's ``env``, which the job loader already refuses secrets in, and
     the torchrun and ``SPIKEGUARD_*`` variables of this launch). ``launcher_env``: what the agent
-    adds (its report socket). Later mappings win; none of the inputs is changed.
+    adds (its report socket). ``passed``: names the job lets through although they look secret
+    (the job's ``pass_env``); a notification setting of the supervisor never passes. Later
+    mappings win; none of the inputs is changed.
     """
-    env = {k: v for k, v in base_env.items() if withheld(k, v) is None}
+    allowed = {name for name in passed if not notify_variable(name)}
+    env = {k: v for k, v in base_env.items() if k in allowed or withheld(k, v) is None}
     env.update(job_env)
     env.update(launcher_env)
     return env

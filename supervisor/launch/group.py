@@ -184,7 +184,12 @@ class WorkerGroup:
                 raise LaunchError(f"cannot create the log of rank {r}: {e}"[:500]) from e
             calls.append(
                 agent.start.remote(
-                    generation=generation, cmd=cmd, env=rank_env, cwd=os.getcwd(), log_path=log
+                    generation=generation,
+                    cmd=cmd,
+                    env=rank_env,
+                    cwd=os.getcwd(),
+                    log_path=log,
+                    pass_env=self.spec.pass_env,
                 )
             )
         try:

@@ -34,6 +34,8 @@ class GroupSpec:
     """How long to wait for the gang to be placed before failing the launch."""
     agent_timeout_s: float = 30.0
     """An agent that has not answered a poll for this long is lost (its node is frozen or gone)."""
+    pass_env: tuple[str, ...] = ()
+    """Variables of the supervisor's environment the ranks get although they look secret."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
