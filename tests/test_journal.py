@@ -93,3 +93,4 @@ def test_what_a_restart_replays_is_written_verbatim(tmp_path):
     assert ev["obs"][0]["path"] == odd and odd not in ev["reason"]
     (line,) = read_events(tmp_path)
     assert line["obs"][0]["path"] == odd and "[redacted]" in line["reason"]
+    (tmp_path / "journal.jsonl").unlink()  # a made-up observation: not for the replay check
