@@ -124,24 +124,25 @@ def hostile(sg: sgw.Session, gen: int, step: int) -> None:
         os.makedirs(ckpt, exist_ok=True)
         fake = {"format": "spikeguard-checkpoint", "version": 1, "rank": 0, "size": 1, "meta": {}}
         fake["sha256"] = "0" * 64
-        for s, extra in ((900, {"grade": huge}), (901, {"grade": 1e308})):
+        # look-alikes just before the crash, so a rollback must pass over them
+        for s, extra in ((step - 9, {"grade": huge}), (step - 8, {"grade": 1e308})):
             name = f"ckpt-step{s:08d}-gen{gen:03d}-rank0.pt"
             with open(os.path.join(ckpt, name), "wb") as f:
                 f.write(b"x")
             side = dict(fake, step=s, generation=gen, file=name, meta=extra)
             with open(os.path.join(ckpt, name + ".json"), "w") as f:
                 f.write(json.dumps(side))
-        deep = f"ckpt-step{902:08d}-gen{gen:03d}-rank0.pt"
+        deep = f"ckpt-step{step - 7:08d}-gen{gen:03d}-rank0.pt"
         with open(os.path.join(ckpt, deep), "wb") as f:
             f.write(b"x")
         with open(os.path.join(ckpt, deep + ".json"), "w") as f:
             f.write("[" * 20000 + "]" * 20000)
-        fifo = f"ckpt-step{903:08d}-gen{gen:03d}-rank0.pt"
+        fifo = f"ckpt-step{step - 6:08d}-gen{gen:03d}-rank0.pt"
         os.mkfifo(os.path.join(ckpt, fifo))
-        side = dict(fake, step=903, generation=gen, file=fifo, meta={"grade": 7})
+        side = dict(fake, step=step - 6, generation=gen, file=fifo, meta={"grade": 7})
         with open(os.path.join(ckpt, fifo + ".json"), "w") as f:
             f.write(json.dumps(side))
-        loop = f"ckpt-step{904:08d}-gen{gen:03d}-rank0.pt"
+        loop = f"ckpt-step{step - 5:08d}-gen{gen:03d}-rank0.pt"
         os.symlink(loop + ".json", os.path.join(ckpt, loop + ".json.tmp"))
         os.symlink(loop + ".json.tmp", os.path.join(ckpt, loop + ".json"))
         os.symlink(loop, os.path.join(ckpt, loop))
