@@ -227,6 +227,43 @@ def test_repeated_alerts_are_deduplicated_within_the_repeat_interval(fake):
     assert len(posts) == 4 and posts[3].params["text"].startswith("<!subteam^S0ONCALL> [PAGE]")
 
 
+def test_a_resolved_alert_is_sent_once_even_inside_the_repeat_interval(fake):
+    n = notifier(fake, [], repeat_interval_s=3600)
+    n.handle(alert(0))
+    n.handle({**alert(10), "resolved": True, "reason": "resolved: max-logit no longer holds"})
+    n.handle({**alert(20), "resolved": True, "reason": "resolved: max-logit no longer holds"})
+    assert n.flush(30)
+    n.close(5)
+    posts = fake.ok_calls("chat.postMessage")
+    assert len(posts) == 2 and "resolved" in posts[1].params["text"]
+
+
+def test_the_routes_keep_a_severity_off_slack(fake):
+    n = notifier(fake, [], severities=("warn", "page"))  # routes: info -> [console]
+    n.handle(alert(0, severity="info"))
+    n.handle(alert(1, severity="warn"))
+    info_incident = [
+        {**e, "severity": "info"} if e["kind"] == "incident" else e for e in incident_events()
+    ]
+    for ev in info_incident:
+        n.handle(ev)
+    n.handle(
+        {
+            "kind": "completed",
+            "time": "2024-05-01T05:00:00+00:00",
+            "run": "gpt-1b",
+            "incident": None,
+            "reason": "all ranks finished",
+            "final_loss": 1.5,
+        }
+    )
+    assert n.flush(30)
+    n.close(5)
+    texts = [p.params["text"] for p in fake.ok_calls("chat.postMessage")]
+    # the warn alert and the run's outcome; no info alert, no thread for an info incident
+    assert len(texts) == 2 and "[WARN]" in texts[0] and "COMPLETED" in texts[1].upper()
+
+
 def test_alert_of_an_open_incident_goes_into_its_thread(fake):
     n = notifier(fake, [])
     events = incident_events()
