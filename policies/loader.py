@@ -442,11 +442,21 @@ def load_model_text(
     """
     data, pos = _parse(text, filename, secrets)
     overrides = dict(overrides or {})
-    data.update(overrides)
+    _merge(data, overrides)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise _from_validation(e, data, pos, filename, model, set(overrides)) from None
+
+
+def _merge(data: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """Apply ``overrides`` onto ``data``: a mapping merges into a mapping (``--address`` sets
+    ``ray.address`` and keeps the file's other ``ray`` settings), anything else replaces."""
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            _merge(data[key], value)
+        else:
+            data[key] = value
 
 
 def load_model_file(

@@ -33,8 +33,13 @@ def _submit(args: argparse.Namespace) -> int:
         v = getattr(args, field, None)
         if v is not None:
             overrides[field] = v
+    ray: dict[str, Any] = {}
     if args.address:
-        overrides["ray"] = {"address": args.address}
+        ray["address"] = args.address
+    if args.no_dashboard:
+        ray["dashboard"] = False
+    if ray:
+        overrides["ray"] = ray
     try:
         job = load_job(args.job, overrides)
         from spikeguard.policies import load_policy
@@ -173,6 +178,7 @@ def _demo(args: argparse.Namespace) -> int:
         workers=args.workers,
         policy=args.policy,
         seed=args.seed,
+        dashboard=not args.no_dashboard,
     )
 
 
@@ -198,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("submit", help="run a job under supervision")
     s.add_argument("job", help="job YAML")
     s.add_argument("--address", help="an existing Ray cluster (default: an embedded local Ray)")
+    s.add_argument("--no-dashboard", action="store_true", help="no dashboard for the embedded Ray")
     s.add_argument("--workers", type=int)
     s.add_argument("--policy", help="policy file or built-in name")
     s.add_argument("--run-dir", dest="run_dir")
@@ -236,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=2)
     s.add_argument("--policy", default="default")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--no-dashboard", action="store_true", help="no Ray dashboard")
     s.set_defaults(func=_demo)
     policy_commands.register(sub)
     slack_command.register(sub)

@@ -29,7 +29,7 @@ from .collector import Collector, is_finite
 from .events import Kind
 from .journal import Journal
 from .launch import reaper
-from .launch.types import Group, LaunchError
+from .launch.types import Group, LaunchError, RankPoll
 from .status import live_status
 
 
@@ -65,6 +65,7 @@ class Controller:
         default_settings: rc.Settings | None = None,
         remote_reap: bool = True,
         preempt_grace_s: float = 30.0,
+        on_output: Callable[[RankPoll], None] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -90,6 +91,8 @@ class Controller:
         self.remote_reap = remote_reap
         self.default_settings = default_settings or rc.Settings()
         self.preempt_grace_s = preempt_grace_s
+        self.on_output = on_output
+        """Where the ranks' output lines go besides their logs (the driver's stdout), if set."""
         self.state = rc.State()
         self._preempt_reason: str | None = None
         self._awaited: tuple[int, float] | None = None
@@ -158,6 +161,8 @@ class Controller:
             self._apply(rc.Preempt(self._preempt_reason))
         if self.state.phase in (*rc.ACTIVE, rc.Phase.PREEMPTING):
             for poll in self.group.poll():
+                if self.on_output is not None and (poll.output or poll.output_skipped):
+                    self.on_output(poll)
                 for msg in self.collector.ingest_poll(poll, now):
                     self._feed(msg)
             for msg in self.collector.check_hangs(now):

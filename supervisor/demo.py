@@ -19,6 +19,7 @@ def run_demo(
     steps: int | None = None,
     workers: int = 2,
     policy: str = "default",
+    dashboard: bool = True,
     seed: int = 0,
 ) -> int:
     from spikeguard.examples import gpt_diverge
@@ -48,6 +49,7 @@ def run_demo(
         policy=policy,
         run_dir=str(run_path),
         timeouts={"heartbeat_s": 60, "first_heartbeat_s": 180},
+        ray={"dashboard": dashboard},
     )
     print(
         f"spikeguard demo: {workers} ranks of examples/gpt_diverge.py "

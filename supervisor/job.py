@@ -51,13 +51,42 @@ class Timeouts(_Strict):
 
 
 class RaySettings(_Strict):
+    """Where the job runs."""
+
     address: str | None = None
-    """An existing Ray cluster (``auto`` or ``ray://…``); None starts an embedded local Ray."""
+    """An existing Ray cluster (``auto`` or ``host:port``; the supervisor must run on a node of
+    it, sharing the run directory); None starts an embedded local Ray."""
+    dashboard: bool = True
+    """The embedded Ray's dashboard (http://127.0.0.1:8265), when Ray's dashboard is installed
+    (``pip install 'spikeguard[cluster]'``); ``false`` (or ``spikeguard submit --no-dashboard``)
+    keeps it off. An existing cluster's dashboard is the cluster's business."""
     object_store_mb: int = Field(256, ge=80)
     """Object store size of the embedded Ray (Ray would otherwise reserve 30 % of RAM)."""
     num_cpus: int | None = Field(None, ge=1)
     """Logical CPUs of the embedded Ray (default: enough for the workers, at least the
     machine's)."""
+
+
+class Placement(_Strict):
+    """How Ray places the gang of ranks."""
+
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """PACK: as few nodes as possible; SPREAD: across nodes where it can; STRICT_PACK: one node;
+    STRICT_SPREAD: one rank per node."""
+    timeout_s: float = Field(120.0, gt=0)
+    """How long the gang may wait for its resources before the launch fails (a launch failure,
+    retried with the job's launch_retries)."""
+
+
+class Logs(_Strict):
+    """Where the ranks' output goes (it is always in RUN_DIR/logs/genNNN-rankR.log in full)."""
+
+    to_driver: bool = True
+    """Also print each line on the supervisor's stdout, prefixed ``[gen N rank R]``: what
+    ``ray job logs`` and a pod's log show."""
+    max_bytes_per_s: float = Field(16384.0, gt=0)
+    """Per rank, at most this much output per second on the supervisor's stdout; the rest is
+    counted there and stays in the rank's log."""
 
 
 class SlackJob(_Strict):
@@ -110,6 +139,10 @@ class JobSpec(_Strict):
     """Hang detection and kill settings."""
     ray: RaySettings = RaySettings()
     """Where to run."""
+    placement: Placement = Placement()
+    """How the gang of ranks is placed on the cluster's nodes."""
+    logs: Logs = Logs()
+    """Where the ranks' output goes."""
     notify: NotifyJob = NotifyJob()
     """On-call notification."""
 

@@ -19,6 +19,7 @@ from .journal import read_events
 from .launch.group import GroupSpec, WorkerGroup, python_cmd
 from .launch.ray_init import init_ray
 from .notify.console import ConsoleNotifier, LiveView
+from .notify.rank_output import RankOutput
 from .status import finished
 
 
@@ -124,6 +125,8 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
             gpus_per_worker=job.gpus_per_worker,
             agent_timeout_s=t.agent_timeout_s,
             pass_env=tuple(job.pass_env),
+            strategy=job.placement.strategy,
+            placement_timeout_s=job.placement.timeout_s,
         ),
         run_id=job.name,
         run_dir=str(run_dir),
@@ -155,6 +158,9 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
             default_settings=rc.Settings.from_policy(policy.recovery),
             on_tick=LiveView() if live else None,
             preempt_grace_s=t.preempt_grace_s,
+            on_output=(
+                RankOutput(max_bytes_per_s=job.logs.max_bytes_per_s) if job.logs.to_driver else None
+            ),
         )
         notifiers = make_notifiers(job, policy, job.name, ctl.journal.record)
         for n in notifiers if events else ():

@@ -26,6 +26,8 @@ from .types import LaunchedRank, NodeInfo, RankKill, RankPoll
 MAX_BUFFERED_LINES = 20000
 MAX_LINE_BYTES = 1 << 20
 LOG_TAIL_BYTES = 4096
+OUTPUT_BYTES_PER_POLL = 64 * 1024
+"""At most this much of a rank's new output travels with one poll (to the driver's stdout)."""
 
 
 class RankAgent:
@@ -49,6 +51,8 @@ class RankAgent:
         self._requests: list[bytes] = []
         """Requests sent to the current generation, re-sent on every new connection."""
         self._log: Any = None
+        self._out_offset = 0
+        self._out_partial = b""
 
     # -- placement facts ------------------------------------------------------------------
     def node_info(self) -> NodeInfo:
@@ -60,6 +64,7 @@ class RankAgent:
             ip=ray.util.get_node_ip_address(),
             host=socket.gethostname(),
             pid=os.getpid(),
+            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
         )
 
     def free_port(self) -> int:
@@ -173,6 +178,7 @@ class RankAgent:
             self._log.close()
         self._log = open(log_path, "ab")
         self._log_path, self._log_tail = log_path, None
+        self._out_offset, self._out_partial = self._log.tell(), b""
         self._generation = generation
         self._proc = subprocess.Popen(
             cmd,
@@ -204,6 +210,7 @@ class RankAgent:
             oversize, self._oversize = self._oversize, 0
             age = time.monotonic() - self._last_rx
         code = None if self._proc is None else self._proc.poll()
+        output, skipped = self._new_output()
         return RankPoll(
             rank=self.rank,
             generation=self._generation,
@@ -214,7 +221,35 @@ class RankAgent:
             rx_age_s=age,
             pid=None if self._proc is None else self._proc.pid,
             log_tail=self._tail() if code is not None else "",
+            output=output,
+            output_skipped=skipped,
         )
+
+    def _new_output(self) -> tuple[tuple[str, ...], int]:
+        """The rank's output written since the last poll, as whole lines, at most
+        :data:`OUTPUT_BYTES_PER_POLL` of it; the number of bytes skipped beyond that (the full
+        log stays in ``RUN_DIR/logs``)."""
+        if not self._log_path:
+            return (), 0
+        try:
+            with open(self._log_path, "rb") as f:
+                end = f.seek(0, os.SEEK_END)
+                available = end - self._out_offset
+                skipped = max(available - OUTPUT_BYTES_PER_POLL, 0)
+                f.seek(self._out_offset + skipped)
+                data = f.read(available - skipped)
+        except OSError:
+            return (), 0
+        self._out_offset = end  # read or skipped, it is consumed
+        if skipped:
+            self._out_partial = b""  # the unfinished line was in the skipped part
+        data = self._out_partial + data
+        complete, newline, rest = data.rpartition(b"\n")
+        if not newline:  # no line finished yet
+            self._out_partial = data[-OUTPUT_BYTES_PER_POLL:]
+            return (), skipped
+        self._out_partial = rest[-OUTPUT_BYTES_PER_POLL:]
+        return tuple(complete.decode("utf-8", "replace").split("\n")), skipped
 
     def _tail(self) -> str:
         """The last few KiB of this generation's log (read once, after the process ended)."""

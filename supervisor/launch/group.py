@@ -24,6 +24,7 @@ from spikeguard.workers import contract
 
 from .. import rundir
 from .agent import RankAgent
+from .topology import Layout, rank_variables
 from .types import GroupSpec, KillReport, LaunchedRank, LaunchError, NodeInfo, RankKill, RankPoll
 
 __all__ = ["GroupSpec", "LaunchError", "WorkerGroup", "python_cmd"]
@@ -67,9 +68,14 @@ class WorkerGroup:
                 f"{s.placement_timeout_s:.0f}s: the cluster lacks resources"
             ) from None
         actor_cls = ray.remote(RankAgent)
+        # the agent takes its rank's GPUs from the bundle, so Ray assigns it device ids (and no
+        # other run on the node gets them); the bundle's CPUs are left to the rank's process.
+        # Named per run and rank, so the Ray dashboard says whose it is.
         self._agents = [
             actor_cls.options(
+                name=f"spikeguard:{self.run_id}:b{self._builds}:rank{i}",
                 num_cpus=0,
+                num_gpus=s.gpus_per_worker,
                 max_concurrency=4,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -154,30 +160,33 @@ class WorkerGroup:
                 timeout=2.0,
             )
             self._pending = {}
-        by_node: dict[str, list[int]] = {}
-        for r, n in enumerate(self._nodes):
-            by_node.setdefault(n.node_id, []).append(r)
+        layout = Layout(
+            run_id=self.run_id,
+            generation=generation,
+            master_addr=master_ip,
+            master_port=port,
+            gpus_per_worker=self.spec.gpus_per_worker,
+            cpus_per_worker=self.spec.cpus_per_worker,
+            omp_num_threads=env.get("OMP_NUM_THREADS"),
+        )
         calls = []
-        for r, agent in enumerate(self._agents):
-            peers = by_node[self._nodes[r].node_id]
-            rank_env = dict(env)
+        for r, (agent, launcher) in enumerate(
+            zip(self._agents, rank_variables(self._nodes, layout))
+        ):
+            logs = os.path.join(self.run_dir, "logs")
+            rank_env = {**env, **launcher}
             rank_env.update(
                 {
-                    "RANK": str(r),
-                    "LOCAL_RANK": str(peers.index(r)),
-                    "WORLD_SIZE": str(self.spec.world_size),
-                    "LOCAL_WORLD_SIZE": str(len(peers)),
-                    "MASTER_ADDR": master_ip,
-                    "MASTER_PORT": str(port),
-                    contract.ENV_RUN_ID: self.run_id,
-                    contract.ENV_GENERATION: str(generation),
                     contract.ENV_CKPT_DIR: ckpt_dir,
                     contract.ENV_FENCE_FILE: fence_file,
+                    "TORCHELASTIC_ERROR_FILE": os.path.join(
+                        logs, f"gen{generation:03d}-rank{r}.error.json"
+                    ),
                 }
             )
             if plan_path:
                 rank_env[contract.ENV_RESUME] = plan_path
-            log = os.path.join(self.run_dir, "logs", f"gen{generation:03d}-rank{r}.log")
+            log = os.path.join(logs, f"gen{generation:03d}-rank{r}.log")
             try:  # private (0600 in a 0700 logs/) before the agent appends to it
                 rundir.private_log(Path(log))
             except (OSError, rundir.UnsafePath) as e:

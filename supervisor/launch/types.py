@@ -47,6 +47,8 @@ class NodeInfo:
     host: str
     pid: int
     """The agent's own process."""
+    gpu_ids: tuple[str, ...] = ()
+    """The GPUs Ray assigned the agent (its rank's reservation), as device ids."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,6 +97,11 @@ class RankPoll:
     """Why the agent itself is gone (node removed, frozen, partitioned): reads as exit -9."""
     node_id: str | None = None
     host: str | None = None
+    output: tuple[str, ...] = ()
+    """The rank's output (stdout and stderr) since the last poll, as whole lines (bounded)."""
+    output_skipped: int = 0
+    """Bytes of output beyond the bound, left out of ``output`` (the full log is in
+    RUN_DIR/logs)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

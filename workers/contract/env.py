@@ -1,13 +1,47 @@
 """The environment variables the launcher sets for each rank.
 
-The usual torchrun variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``) plus the ones below. The worker SDK reads them; the
-supervisor's launcher sets them; neither side knows anything else about the other.
+Every variable ``torchrun`` exports (:data:`TORCHRUN_VARIABLES`, with the same meaning for the
+same layout) plus the ``SPIKEGUARD_*`` ones below. The worker SDK reads them; the supervisor's
+launcher sets them; neither side knows anything else about the other.
 """
 
 from __future__ import annotations
 
 import os
+
+TORCHRUN_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_NAME",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "OMP_NUM_THREADS",
+)
+"""What torchrun (torch 2.13) exports to each worker; spikeguard's launcher exports the same
+names. Differences in value, by design: ``TORCHELASTIC_RUN_ID`` is the run's name,
+``TORCHELASTIC_RESTART_COUNT`` is the generation minus one, ``TORCHELASTIC_MAX_RESTARTS`` is
+:data:`UNBOUNDED_RESTARTS` (the policy's budget decides, not a count), and
+``TORCHELASTIC_USE_AGENT_STORE`` is ``False``: rank 0 hosts the rendezvous store on
+``MASTER_PORT`` (there is no torchrun agent). ``TORCHELASTIC_ERROR_FILE`` is
+``RUN_DIR/logs/genNNN-rankR.error.json``, where ``torch.distributed.elastic``'s ``@record``
+writes a crashing rank's traceback. ``OMP_NUM_THREADS`` is the job's own value, else the CPUs
+reserved per rank. GPU ranks also get ``CUDA_VISIBLE_DEVICES`` from Ray's assignment."""
+
+UNBOUNDED_RESTARTS = "-1"
+"""``TORCHELASTIC_MAX_RESTARTS``: no fixed number (the policy's recovery budget decides)."""
 
 ENV_REPORT = "SPIKEGUARD_REPORT"
 """Where reports go. ``tcp://HOST:PORT`` or ``unix:///path/to.sock``: the rank's agent listens
