@@ -23,12 +23,17 @@ Semantics, per rule:
   when it stops. ``cooldown`` keeps the whole rule quiet for a while after it fired; step
   cooldowns count steps of training seen, so a rollback does not stretch them.
 * Warm-in compares the absolute training step with the rule's warm-in.
-* A message with a higher ``gen`` starts a new generation (a relaunch): trailing series,
-  persistence and firing state restart, so ratio and drop rules need their windows to refill
-  from the resumed step before they can fire again; warm-in is not re-applied (the resumed step
-  is usually past it; if a rollback lands inside it, it applies as to any step); cooldowns and
-  the step clock carry over. Messages of an older generation are ignored, and so are messages
-  of a generation passed to :meth:`Engine.retire` (the supervisor killed it).
+* A message with a higher ``gen`` starts a new generation (a relaunch): persistence and firing
+  state restart; the trailing series are rewound to the step the generation resumed at (its
+  first heartbeat or report): points before that step stay (the history the checkpoint was
+  trained through, a baseline a spike coming back right after the resume is measured against),
+  points from it on are dropped (the abandoned timeline, spike included). Since a series holds
+  only its window, the engine keeps a copy of every series as it stood at each of the last
+  :data:`SNAPSHOTS` checkpoints (``checkpoint`` messages) to rewind to. A restart from step 0,
+  or from further back than those checkpoints, keeps nothing. Warm-in is not re-applied (the
+  resumed step is usually past it; if a rollback lands inside it, it applies as to any step);
+  cooldowns and the step clock carry over. Messages of an older generation are ignored, and so
+  are messages of a generation passed to :meth:`Engine.retire` (the supervisor killed it).
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ from .conditions import Change, Trailing
 from .evaluate import Context, Hit, RankMessage, Series, evaluate, number
 from .schema import FractionOfRanks, Policy, RecoverySettings, Rule
 from .values import Duration
+
+SNAPSHOTS = 4
+"""Checkpoints whose series the engine keeps to rewind to after a rollback (see above)."""
 
 __all__ = ["Decision", "Engine", "replay"]
 
@@ -155,16 +163,46 @@ class Engine:
         ] = {}  # rule -> (step clock, at) of the last firing
         self._progress = 0
         self._last_at = 0.0
+        self._series: dict[tuple, Series] = {}  # (rank, layer, signal) -> recent points
+        self._snapshots: dict[int, dict[tuple, Series]] = {}  # checkpoint step -> series
+        self._rewind_from: dict[tuple, Series] | None = None  # set for a new generation
         self._reset_generation()
+        self._rewind_from = None  # the first generation has nothing to rewind
 
     def _reset_generation(self) -> None:
-        self._series: dict[tuple, Series] = {}
+        self._rewind_from = self._series
+        self._series = {}
         self._instances: dict[tuple[int, int], dict[str | None, _Instance]] = {}
         self._groups: dict[tuple[int, int | None], _Firing] = {}
         self._ranks: set[int] = set()
         self._world_size = 0
         self._max_step: int | None = None
         self._last_step: dict[int, int] = {}
+
+    def _snapshot(self, step: int) -> None:
+        """Keep the series as they stand at a checkpoint of ``step`` (once per step)."""
+        if step in self._snapshots:
+            return
+        self._snapshots[step] = {
+            key: kept for key, s in self._series.items() if (kept := s.rewound(step + 1))
+        }
+        for old in sorted(self._snapshots)[:-SNAPSHOTS]:
+            del self._snapshots[old]
+
+    def _rewind(self, step: int) -> None:
+        """The generation resumed at ``step``: keep each series' points before it, from the live
+        series and the newest checkpoint snapshot before it."""
+        live: dict[tuple, Series] = self._rewind_from or {}
+        base = max((c for c in self._snapshots if c < step), default=None)
+        older = self._snapshots[base] if base is not None else {}
+        self._series = {
+            key: kept
+            for key in {*live, *older}
+            if (kept := Series.rewind(step, live.get(key), older.get(key))) is not None
+        }
+        for c in [c for c in self._snapshots if c >= step]:
+            del self._snapshots[c]  # checkpoints of the abandoned timeline
+        self._rewind_from = None
 
     def retire(self, generation: int) -> None:
         """Ignore every later message of ``generation`` and older (the supervisor killed it)."""
@@ -225,8 +263,12 @@ class Engine:
         self._ranks.add(m.rank)
         if m.type == "hello" and isinstance(m.raw.get("world_size"), int):
             self._world_size = m.raw["world_size"]
+        if m.type == "checkpoint" and self._rewind_from is None:
+            self._snapshot(m.step)
         if m.type not in ("heartbeat", "report"):
             return  # only these carry a training step (a relaunch says hello at step 0)
+        if self._rewind_from is not None:  # the generation's first step: where it resumed
+            self._rewind(m.step)
         self._last_step[m.rank] = max(m.step, self._last_step.get(m.rank, m.step))
         if self._max_step is None:
             self._max_step = m.step

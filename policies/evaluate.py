@@ -83,7 +83,8 @@ class RankMessage:
 
 
 class Series:
-    """The recent (step, value) points of one signal on one rank and layer, in this generation."""
+    """The recent (step, value) points of one signal on one rank and layer (see the engine's
+    docstring for what a new generation keeps)."""
 
     __slots__ = ("first_step", "points")
 
@@ -100,6 +101,28 @@ class Series:
 
     def before(self, step: int) -> list[tuple[int, float]]:
         return [p for p in self.points if p[0] < step]
+
+    def rewound(self, step: int) -> Series | None:
+        """A copy holding only the points before ``step`` (None when none is)."""
+        return Series.rewind(step, self, None)
+
+    @staticmethod
+    def rewind(step: int, live: Series | None, older: Series | None) -> Series | None:
+        """The points before ``step`` of ``live``, preceded by those of ``older`` (a snapshot
+        taken earlier) that ``live`` no longer holds; None when there are none."""
+        recent = live.before(step) if live is not None else []
+        since = recent[0][0] if recent else step
+        earlier = older.before(since) if older is not None else []
+        kept = earlier + recent
+        if not kept:
+            return None
+        ref = live if live is not None else older
+        assert ref is not None
+        s = Series(ref.points.maxlen or len(kept))
+        s.points.extend(kept)
+        firsts = [x.first_step for x in (live, older) if x is not None and x.first_step is not None]
+        s.first_step = min(firsts) if firsts else kept[0][0]
+        return s
 
 
 def _window(

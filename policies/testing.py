@@ -107,3 +107,14 @@ def hang(
 
 def done(rank: int, step: int, *, gen: int = 0, at: float | None = None) -> dict[str, Any]:
     return _base("done", rank, step, gen, at)
+
+
+def checkpoint(
+    rank: int, step: int, *, gen: int = 0, grade: int | None = 6, at: float | None = None
+) -> dict[str, Any]:
+    """A rank's ``checkpoint`` message: it published a checkpoint of ``step``."""
+    return {
+        **_base("checkpoint", rank, step, gen, at),
+        "path": f"ckpt-step{step:08d}-gen{gen:03d}-rank{rank}.pt",
+        "grade": grade,
+    }

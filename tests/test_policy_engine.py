@@ -16,7 +16,7 @@ from spikeguard.policies import (
     load_policy_text,
     replay,
 )
-from spikeguard.policies.testing import done, exit_, hang, heartbeat, hello, report
+from spikeguard.policies.testing import checkpoint, done, exit_, hang, heartbeat, hello, report
 
 
 def policy(rule: str, *, action: str = "recover", warm_in: str = "0 steps", head: str = ""):
@@ -215,7 +215,7 @@ def test_messages_of_an_older_generation_are_ignored():
     assert out and out[0].generation == 1
 
 
-def test_trailing_windows_restart_in_a_new_generation():
+def test_trailing_windows_restart_when_the_resume_is_before_all_history():
     pol = policy("when: loss > 1.5 * median(10 steps)")
     gen0 = [heartbeat(0, s, loss=2.0) for s in range(100, 120)]
     resumed = [heartbeat(0, 90 + i, loss=2.0, gen=1) for i in range(5)]
@@ -225,6 +225,56 @@ def test_trailing_windows_restart_in_a_new_generation():
     assert [
         d.generation for d in run(pol, gen0 + refilled + [heartbeat(0, 100, loss=9.0, gen=1)])
     ] == [1]
+
+
+def test_a_spike_coming_back_right_after_a_rollback_is_measured_against_the_history_before_it():
+    """Rolled back to step 30 after a spike at 41: the trailing window keeps steps < 31 (what the
+    checkpoint was trained through) and drops the abandoned 31..45 (the spike), so the same
+    spike two steps after the resume fires; a steady resume does not."""
+    pol = policy("when: loss > 1.5 * median(10 steps)\nfor: 2 steps")
+    gen0 = [heartbeat(0, s, loss=2.0) for s in range(0, 41)]
+    gen0.insert(31, checkpoint(0, 30))  # saved after step 30; the window holds 11 points only
+    gen0 += [heartbeat(0, s, loss=20.0) for s in range(41, 56)]
+    assert [d.step for d in run(pol, gen0)] == [42]
+    resumed = [heartbeat(0, 31, loss=2.0, gen=1), heartbeat(0, 32, loss=2.0, gen=1)]
+    again = [heartbeat(0, s, loss=20.0, gen=1) for s in (33, 34, 35)]
+    out = run(pol, gen0 + resumed + again)
+    assert [(d.generation, d.step) for d in out] == [(0, 42), (1, 34)]
+    assert "median 2" in out[-1].reason  # the baseline is the healthy history, not the spike
+    steady = [heartbeat(0, s, loss=2.0, gen=1) for s in range(31, 60)]
+    assert [d.generation for d in run(pol, gen0 + steady)] == [0]
+    # without the checkpoint's snapshot the window's history is gone: the spike goes unseen
+    no_ckpt = [m for m in gen0 if m["type"] != "checkpoint"]
+    assert [d.generation for d in run(pol, no_ckpt + resumed + again)] == [0]
+
+
+def test_only_the_last_checkpoints_are_kept_to_rewind_to():
+    from spikeguard.policies.engine import SNAPSHOTS
+
+    pol = policy("when: loss > 1.5 * median(10 steps)")
+    gen0 = []
+    for s in range(0, 200):
+        gen0.append(heartbeat(0, s, loss=2.0))
+        if s % 20 == 19:
+            gen0.append(checkpoint(0, s))
+    spike = [heartbeat(0, 3, loss=2.0, gen=1), heartbeat(0, 4, loss=2.0, gen=1)]
+    spike += [heartbeat(0, 5, loss=20.0, gen=1)]
+    engine = Engine(pol)
+    for m in gen0:
+        engine.observe(m)
+    assert sorted(engine._snapshots) == [199 - 20 * i for i in range(SNAPSHOTS)][::-1]
+    recent = 199 - 20 * (SNAPSHOTS - 1)  # the oldest checkpoint kept: a spike after it fires
+    late = [heartbeat(0, recent + 1 + i, loss=2.0, gen=1) for i in range(2)]
+    late.append(heartbeat(0, recent + 3, loss=20.0, gen=1))
+    assert [d.generation for d in run(pol, gen0 + late)] == [1]
+    assert run(pol, gen0 + spike) == []  # step 5 is before every kept checkpoint: no history
+
+
+def test_a_restart_from_step_0_keeps_no_history():
+    pol = policy("when: loss > 1.5 * median(10 steps)")
+    gen0 = [heartbeat(0, s, loss=2.0) for s in range(0, 30)]
+    restart = [heartbeat(0, s, loss=9.0 if s == 3 else 2.0, gen=1) for s in range(0, 5)]
+    assert run(pol, gen0 + restart) == []  # 3 steps of history: the window is not full
 
 
 def test_firing_state_restarts_but_cooldown_carries_over():
