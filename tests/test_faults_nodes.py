@@ -9,6 +9,7 @@ its default ~60 s, see "Failure semantics" in the README) so the frozen-node tes
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -57,6 +58,10 @@ def nodes(cluster):
     first)."""
     import ray
 
+    alive_ids = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    for node in cluster.worker_nodes.copy():  # one Ray declared dead (frozen) is let go of
+        if node.node_id not in alive_ids:
+            cluster.remove_node(node, allow_graceful=False)
     live = sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU"))
     for _ in range(3 - live):
         cluster.add_node(
@@ -179,3 +184,58 @@ def test_a_frozen_node_is_fenced_and_its_rank_killed_by_pid_once_reachable(
     assert not alive(frozen["rank"])
     assert frozen["node_id"] not in {r["node_id"] for r in launch_of(evs, 2)["ranks"]}
     assert kinds(run_dir)[-1] == "completed"
+
+
+def test_strict_spread_puts_each_rank_on_its_own_node_and_a_recovery_relaunches_across_nodes(
+    nodes, tmp_path, fail_at
+):
+    """Ranks across nodes: the two ranks land on different nodes (the journal's node ids), every
+    rank's MASTER_ADDR is rank 0's node address, and the recovered generation is spread again."""
+    import ray
+
+    fail_at(0, 30, "collapse")  # generation 1 only: a loss spike, recovered
+    env_dir = tmp_path / "env"
+    env_dir.mkdir()
+    job = toy_job(
+        tmp_path,
+        policy=POLICY,
+        faults=fail_at,
+        steps=70,
+        extra_args=["--env-out", str(env_dir)],
+        placement={"strategy": "STRICT_SPREAD", "timeout_s": 60},
+    )
+    assert run(job) == 0
+    run_dir = Path(job.run_dir)
+    evs = events(run_dir)
+    assert [e["rule"] for e in evs if e["kind"] == "incident"] == ["loss-spike"]
+    assert kinds(run_dir)[-1] == "completed"
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    for gen in (1, 2):
+        ranks = launch_of(evs, gen)["ranks"]
+        assert len({r["node_id"] for r in ranks}) == 2, ranks  # one rank per node
+        assert ranks[0]["ip"] == address[ranks[0]["node_id"]]
+        for r in ranks:
+            seen = json.loads((env_dir / f"gen{gen}-rank{r['rank']}.json").read_text())
+            assert seen["MASTER_ADDR"] == ranks[0]["ip"]
+            assert seen["MASTER_PORT"] == str(r["port"])
+            assert seen["GROUP_RANK"] == str(r["rank"])  # one rank per node: node rank = rank
+            assert seen["LOCAL_RANK"] == "0" and seen["LOCAL_WORLD_SIZE"] == "1"
+            assert seen["GROUP_WORLD_SIZE"] == "2" and seen["WORLD_SIZE"] == "2"
+
+
+def test_a_gang_that_cannot_be_placed_fails_the_launch_after_the_placement_timeout(nodes, tmp_path):
+    """STRICT_SPREAD of four ranks on three nodes never places: the run says so and fails."""
+    job = toy_job(
+        tmp_path,
+        policy=POLICY,
+        workers=4,
+        steps=10,
+        placement={"strategy": "STRICT_SPREAD", "timeout_s": 3},
+        timeouts={"launch_retries": 0},
+    )
+    code = run(job)
+    evs = events(Path(job.run_dir))
+    failed = [e for e in evs if e["kind"] == "launch_failed"]
+    assert failed and "could not place 4 workers" in failed[-1]["reason"]
+    assert "STRICT_SPREAD" in failed[-1]["reason"]
+    assert code != 0 and kinds(Path(job.run_dir))[-1] != "completed"

@@ -200,6 +200,7 @@ class RankAgent:
             host=node.host,
             ip=node.ip,
             agent_pid=node.pid,
+            gpu_ids=node.gpu_ids,
         )
 
     def poll(self) -> RankPoll:

@@ -64,8 +64,9 @@ class WorkerGroup:
             remove_placement_group(self._pg)
             self._pg = None
             raise LaunchError(
-                f"could not place {s.world_size} workers with {bundle} each within "
-                f"{s.placement_timeout_s:.0f}s: the cluster lacks resources"
+                f"could not place {s.world_size} workers with {bundle} each ({s.strategy}) "
+                f"within {s.placement_timeout_s:.0f}s (job placement.timeout_s): the cluster "
+                "lacks the resources, or the nodes for this strategy"
             ) from None
         actor_cls = ray.remote(RankAgent)
         # the agent takes its rank's GPUs from the bundle, so Ray assigns it device ids (and no

@@ -67,6 +67,8 @@ class LaunchedRank:
     host: str | None = None
     ip: str | None = None
     agent_pid: int | None = None
+    gpu_ids: tuple[str, ...] = ()
+    """The GPUs Ray assigned this rank (device ids on its node)."""
 
     def to_dict(self) -> dict[str, Any]:
         """For the journal's ``launch`` event (what fencing and reaping need later)."""

@@ -26,7 +26,9 @@ the step this generation started at. Modes:
                  look-alike checkpoints (a 400-digit grade, deep JSON, a FIFO data file, a
                  symlink loop) and dump its environment's names to ``$SG_ENV_OUT``; then exit 3
 
-``--env-out DIR`` writes the environment the rank started with to ``DIR/rank{RANK}.json``.
+``--env-out DIR`` writes the environment the rank started with to ``DIR/rank{RANK}.json`` (and
+``DIR/gen{GEN}-rank{RANK}.json``, kept across generations). ``--print-every N`` prints
+``step S loss L`` every N steps on stdout (for the driver-log tests).
 """
 
 from __future__ import annotations
@@ -183,13 +185,15 @@ def main() -> int:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--slow-sleep", type=float, default=1.0)
     p.add_argument("--env-out", help="write this rank's environment to DIR/rank{RANK}.json")
+    p.add_argument("--print-every", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if args.env_out:
-        with open(os.path.join(args.env_out, f"rank{rank}.json"), "w") as f:
-            json.dump(dict(os.environ), f)
     gen = int(os.environ.get("SPIKEGUARD_GENERATION", 1))
+    if args.env_out:
+        for name in (f"rank{rank}.json", f"gen{gen}-rank{rank}.json"):
+            with open(os.path.join(args.env_out, name), "w") as f:
+                json.dump(dict(os.environ), f)
     _, flags, _ = faults(rank, gen)
     if "ignore_term" in flags:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -258,6 +262,8 @@ def main() -> int:
             batch_ids=[step, rank],
             extra={"adam_steps": adam_steps, "gen": gen},
         )
+        if args.print_every and step % args.print_every == 0:
+            print(f"step {step} loss {rep_loss:.4f}", flush=True)
         if sg.should_checkpoint(step, every=args.ckpt_every) and rank == 0:
             sg.save_checkpoint(
                 {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
