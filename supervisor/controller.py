@@ -39,6 +39,10 @@ class Notifier(Protocol):
     def handle(self, event: dict[str, Any]) -> None: ...
 
 
+STANDBY_CHECK_S = 1.0
+"""How often the warm standby is looked after (started, replaced, discarded)."""
+
+
 class Controller:
     """Runs one job until it completes, fails, escalates or is stopped."""
 
@@ -66,6 +70,7 @@ class Controller:
         remote_reap: bool = True,
         preempt_grace_s: float = 30.0,
         on_output: Callable[[RankPoll], None] | None = None,
+        standby: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -93,6 +98,9 @@ class Controller:
         self.preempt_grace_s = preempt_grace_s
         self.on_output = on_output
         """Where the ranks' output lines go besides their logs (the driver's stdout), if set."""
+        self.standby = standby
+        """Keep the next generation's processes warm (the job's ``standby``)."""
+        self._standby_checked = float("-inf")
         self.state = rc.State()
         self._preempt_reason: str | None = None
         self._awaited: tuple[int, float] | None = None
@@ -169,6 +177,8 @@ class Controller:
                 self._feed(msg)
             if now - self._last_reap >= self.reap_interval_s and self.state.phase in rc.ACTIVE:
                 self._reap(self.state.generation, "rank processes of replaced generations")
+            if self.standby and self.state.phase in rc.ACTIVE:
+                self._keep_standby(now)
         if self._awaited is not None and time.monotonic() >= self._awaited[1]:
             request_id, self._awaited = self._awaited[0], None
             self._apply(rc.GraceExpired(request_id))
@@ -357,6 +367,37 @@ class Controller:
         self.collector.new_generation(gen, self.journal.mono(), start_step=plan.start_step)
         port = ranks[0].port if ranks else None
         return rc.Launched(gen, ranks=tuple(r.to_dict() for r in ranks), port=port, backoff_s=delay)
+
+    def _keep_standby(self, now: float) -> None:
+        """Once every rank of the generation trains, have the next generation's processes
+        waiting (checked every :data:`STANDBY_CHECK_S`); journal what changed."""
+        if now - self._standby_checked < STANDBY_CHECK_S:
+            return
+        self._standby_checked = now
+        if self.collector.min_step() is None:
+            return  # not every rank is training yet: leave it the machine's CPUs
+        change = self.group.standby(
+            generation=rc.next_generation(self.state),
+            cmd=self.cmd,
+            env=self.env,
+            fence_file=str(self.fence_file),
+            ckpt_dir=str(self.ckpt_dir),
+        )
+        if change is None:
+            return
+        inc = self.state.incident
+        ev: dict[str, Any] = {
+            "kind": Kind.STANDBY.value,
+            "code": f"standby_{change.what}",
+            "incident": inc.id if inc else None,
+            "reason": change.reason,
+            "generation": change.generation,
+        }
+        if change.pids:
+            ev.update(pids=list(change.pids), port=change.port)
+        if change.rank is not None:
+            ev.update(rank=change.rank, exit_code=change.exit_code, log_tail=change.log_tail)
+        self._event(ev)
 
     def _request_checkpoint(self, eff: rc.RequestCheckpoint) -> rc.Observation | None:
         """Ask every rank to save at its next step boundary; with ``wait``, the machine hears

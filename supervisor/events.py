@@ -61,6 +61,10 @@ class Kind(str, enum.Enum):
     """A supervisor took over an unfinished run directory."""
     REAPED = "reaped"
     """Rank processes of replaced generations were found and killed."""
+    STANDBY = "standby"
+    """The warm standby (job ``standby: true``): the next generation's processes were started,
+    one died and is replaced, they were discarded (their generation will not come), or standby
+    was given up for the run. A release shows in the ``launch`` event (``standby`` per rank)."""
     NOTIFY_THREAD = "notify_thread"
     """The Slack thread of an incident (channel and ts), so a restarted supervisor continues it."""
     NOTIFY_UNDELIVERED = "notify_undelivered"
@@ -170,6 +174,16 @@ class Reason(str, enum.Enum):
     RULE_RESOLVED = "rule_resolved"
     TEARDOWN_EXIT = "teardown_exit"
     """A rank said ``done`` and then died in teardown: counted as finished."""
+    # the warm standby (written by the controller, not the machine)
+    STANDBY_STARTED = "standby_started"
+    STANDBY_READY = "standby_ready"
+    """Every rank's standby reported: a recovery now releases it."""
+    STANDBY_LOST = "standby_lost"
+    """A standby process died while waiting; it is replaced."""
+    STANDBY_DISCARDED = "standby_discarded"
+    """The standby's generation will not come (another one is next, the gang was rebuilt)."""
+    STANDBY_DISABLED = "standby_disabled"
+    """Standbys kept dying: the run goes on with cold launches."""
 
     def __str__(self) -> str:
         return self.value

@@ -141,6 +141,12 @@ class JobSpec(_Strict):
     """Where to run."""
     placement: Placement = Placement()
     """How the gang of ranks is placed on the cluster's nodes."""
+    standby: bool = False
+    """Warm standby: while a generation trains, the next generation's rank processes are
+    started and run the script up to ``resume()`` (imports, process group, model), so a
+    recovery releases them instead of starting cold ones. Costs one more process per rank,
+    with its memory (on a GPU its CUDA context and whatever the script puts there before
+    ``resume()``). The script must call ``resume()`` (or ``step()``) before it trains."""
     logs: Logs = Logs()
     """Where the ranks' output goes."""
     notify: NotifyJob = NotifyJob()

@@ -161,6 +161,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
             on_output=(
                 RankOutput(max_bytes_per_s=job.logs.max_bytes_per_s) if job.logs.to_driver else None
             ),
+            standby=job.standby,
         )
         notifiers = make_notifiers(job, policy, job.name, ctl.journal.record)
         for n in notifiers if events else ():

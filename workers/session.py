@@ -39,6 +39,7 @@ from . import contract
 from .channel import open_channel
 from .contract.signals import summarize
 from .probes import Probes
+from .standby import wait_for_release
 
 
 class StaleGenerationError(RuntimeError):
@@ -80,7 +81,12 @@ class Session:
         self._fence_file = os.environ.get(contract.ENV_FENCE_FILE)
         spec = os.environ.get(contract.ENV_REPORT) or report
         self.channel = open_channel(spec, maxsize=queue_size)
-        self.plan = contract.ResumePlan.from_env()
+        agent = os.environ.get(contract.ENV_STANDBY, "")
+        self._standby = agent.isdigit()
+        """A standby process: waits for its release before anything that needs the plan."""
+        self._parent = int(agent) if self._standby else os.getppid()
+        self._standby_wait_s: float | None = None
+        self.plan = None if self._standby else contract.ResumePlan.from_env()
         self.lr_scale = 1.0
         self.probes = Probes(model, **(probe_patterns or {}))
         self.batch_ids: collections.deque[tuple[int, Any]] = collections.deque(
@@ -150,6 +156,7 @@ class Session:
         (a tensor costs a device sync; pass floats if you already have them).
         ``extra``: more JSON-able metrics, sent in the message under ``extra``.
         """
+        self._await_release()
         self._take_requests()
         s = self._step if step is None else int(step)
         loss_f, gn_f = _num(loss), _num(grad_norm)
@@ -174,6 +181,22 @@ class Session:
         self._step = s + 1
         self._arm(self._step)
 
+    def _await_release(self) -> None:
+        """In a standby process, wait here until the supervisor releases it (see
+        :mod:`spikeguard.workers.standby`); elsewhere a flag check."""
+        if not self._standby:
+            return
+        released = wait_for_release(
+            self.channel,
+            generation=self.generation,
+            rank=self.rank,
+            fence_file=self._fence_file,
+            parent_pid=self._parent,
+        )
+        self._standby = False
+        self.plan = released.plan
+        self._standby_wait_s = released.waited_s
+
     def _take_requests(self) -> None:
         """Move the supervisor's new requests off the channel (a queue check; never blocks)."""
         for req in self.channel.poll_requests():
@@ -195,6 +218,7 @@ class Session:
 
         The next :meth:`save_checkpoint` answers the pending requests. Never blocks.
         """
+        self._await_release()
         self._take_requests()
         if self._checkpoint_requests:
             self._answering += self._checkpoint_requests
@@ -205,6 +229,7 @@ class Session:
 
     def should_skip(self, step: int) -> bool:
         """True when the supervisor asked to skip this step's batch (incident data window)."""
+        self._await_release()
         if self.plan is None:
             return False
         for a, b in self.plan.skip_ranges:
@@ -243,6 +268,7 @@ class Session:
         sampled step (``signals_step``), the loss, the LR scale and the
         generation. Refused with :class:`StaleGenerationError` if fenced.
         """
+        self._await_release()
         if not self.ckpt_dir:
             raise ValueError(
                 "no checkpoint directory: pass ckpt_dir= to attach() or set SPIKEGUARD_CKPT_DIR"
@@ -297,7 +323,11 @@ class Session:
         keeps or resets the optimizer state, loads the scheduler state if the
         checkpoint has one, and installs the LR scale as optimizer step hooks so
         that it survives any LR schedule (manual or ``torch.optim.lr_scheduler``).
+
+        In a standby process (the job's ``standby: true``) this is where it waits for the
+        supervisor's release, which brings the plan.
         """
+        self._await_release()
         plan = self.plan
         if plan is None:
             return 0
@@ -329,6 +359,7 @@ class Session:
             lr_scale=self.lr_scale,
             optimizer_reset=bool(plan.reset_optimizer and optimizer is not None),
             skip_ranges=[list(r) for r in plan.skip_ranges],
+            **({} if self._standby_wait_s is None else {"standby_wait_s": self._standby_wait_s}),
         )
         return start
 

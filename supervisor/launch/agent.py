@@ -30,58 +30,43 @@ OUTPUT_BYTES_PER_POLL = 64 * 1024
 """At most this much of a rank's new output travels with one poll (to the driver's stdout)."""
 
 
-class RankAgent:
-    """Plain class; the supervisor wraps it with ``ray.remote`` (see :mod:`.group`)."""
+class _Process:
+    """One training process of this rank and everything that belongs to it: its report socket,
+    the connections on it, the requests sent to it, the lines it reported, its log."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, *, rank: int, generation: int, sock: str) -> None:
         self.rank = rank
-        self._lock = threading.Lock()
-        self._lines: list[bytes] = []
-        self._overflow = 0
-        self._oversize = 0
-        self._last_rx = time.monotonic()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log_path: str | None = None
-        self._log_tail: str | None = None
-        self._generation = -1
-        self._sockdir = tempfile.mkdtemp(prefix="sg-")
-        self._server: socket.socket | None = None
-        self._conns: set[socket.socket] = set()
-        """The current generation's connections to its rank (requests go back on them)."""
-        self._requests: list[bytes] = []
-        """Requests sent to the current generation, re-sent on every new connection."""
-        self._log: Any = None
-        self._out_offset = 0
-        self._out_partial = b""
-
-    # -- placement facts ------------------------------------------------------------------
-    def node_info(self) -> NodeInfo:
-        """Where this agent (and so its rank) runs."""
-        import ray
-
-        return NodeInfo(
-            node_id=ray.get_runtime_context().get_node_id(),
-            ip=ray.util.get_node_ip_address(),
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
-        )
-
-    def free_port(self) -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return int(s.getsockname()[1])
+        self.generation = generation
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.lines: list[bytes] = []
+        self.overflow = 0
+        self.oversize = 0
+        self.last_rx = time.monotonic()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.server: socket.socket | None = None
+        self.conns: set[socket.socket] = set()
+        self.requests: list[bytes] = []
+        """Requests sent to this process, re-sent on every new connection."""
+        self.log: Any = None
+        self.log_path: str | None = None
+        self.log_tail: str | None = None
+        self.out_offset = 0
+        self.out_partial = b""
+        self.closed = False
+        self.heard = False
+        """Something arrived from the process (a standby that said hello is ready)."""
+        self.port = 0
+        """The MASTER_PORT it was started with."""
 
     # -- the report socket ------------------------------------------------------------------
-    def _serve(self, path: str) -> None:
-        if self._server is not None:
-            self._server.close()
-        if os.path.exists(path):
-            os.unlink(path)
+    def serve(self) -> None:
+        if os.path.exists(self.sock):
+            os.unlink(self.sock)
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        srv.bind(path)
+        srv.bind(self.sock)
         srv.listen(8)
-        self._server = srv
+        self.server = srv
         threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
 
     def _accept(self, srv: socket.socket) -> None:
@@ -90,11 +75,12 @@ class RankAgent:
                 conn, _ = srv.accept()
             except OSError:
                 return
-            with self._lock:
-                current = srv is self._server
-                if current:
-                    self._conns.add(conn)
-                pending = list(self._requests) if current else []
+            with self.lock:
+                if self.closed:
+                    conn.close()
+                    return
+                self.conns.add(conn)
+                pending = list(self.requests)
             for line in pending:  # a rank that (re)connects gets what it may have missed
                 _send(conn, line)
             threading.Thread(target=self._read, args=(conn,), daemon=True).start()
@@ -109,8 +95,8 @@ class RankAgent:
                 except OSError:
                     chunk = b""
                 if not chunk:
-                    with self._lock:
-                        self._conns.discard(conn)
+                    with self.lock:
+                        self.conns.discard(conn)
                     return
                 buf += chunk
                 *lines, buf = buf.split(b"\n")
@@ -125,156 +111,101 @@ class RankAgent:
                     len(buf) > MAX_LINE_BYTES
                 ):  # a line without end: drop it rather than grow forever
                     buf, oversize, skipping = b"", oversize + (0 if skipping else 1), True
-                with self._lock:
-                    self._last_rx = time.monotonic()
-                    self._oversize += oversize
-                    room = MAX_BUFFERED_LINES - len(self._lines)
-                    self._lines.extend(lines[: max(room, 0)])
-                    self._overflow += max(len(lines) - max(room, 0), 0)
+                with self.lock:
+                    self.last_rx = time.monotonic()
+                    self.heard = self.heard or bool(lines)
+                    self.oversize += oversize
+                    room = MAX_BUFFERED_LINES - len(self.lines)
+                    self.lines.extend(lines[: max(room, 0)])
+                    self.overflow += max(len(lines) - max(room, 0), 0)
 
     def request(self, payload: dict[str, Any]) -> bool:
-        """Send ``payload`` (one JSON line) to the rank; True when its process is alive to get it
-        (now, or when it connects: requests are re-sent on every new connection)."""
+        """Send ``payload`` (one JSON line) now and on every later connection; True when the
+        process is alive to get it."""
         line = (json.dumps(payload, separators=(",", ":")) + "\n").encode()
-        with self._lock:
-            self._requests.append(line)
-            conns = list(self._conns)
+        with self.lock:
+            self.requests.append(line)
+            conns = list(self.conns)
         for conn in conns:
             _send(conn, line)
-        return self._proc is not None and self._proc.poll() is None
+        return self.alive()
 
-    # -- process lifecycle ------------------------------------------------------------------
-    def start(
-        self,
-        *,
-        generation: int,
-        cmd: list[str],
-        env: dict[str, str],
-        cwd: str,
-        log_path: str,
-        pass_env: tuple[str, ...] = (),
-    ) -> LaunchedRank:
-        """Start generation ``generation`` of this rank (``env`` holds its torchrun variables;
-        ``pass_env`` names the agent's variables the rank gets although they look secret)."""
-        if self._proc is not None and self._proc.poll() is None:
-            self.kill()
-        sock = os.path.join(self._sockdir, f"r{self.rank}-g{generation}.sock")
-        with self._lock:
-            self._conns.clear()
-            self._requests.clear()
-        self._serve(sock)
-        with self._lock:
-            self._lines.clear()
-            self._overflow = 0
-            self._last_rx = time.monotonic()
-        from .environment import rank_environment
-
-        # never the supervisor's secrets: the rank runs the user's script and its libraries
-        report = {contract.ENV_REPORT: f"unix://{sock}"}
-        full_env = rank_environment(os.environ, env, report, passed=pass_env)
-        full_env.setdefault("PYTHONUNBUFFERED", "1")
+    # -- the process ------------------------------------------------------------------------
+    def start(self, cmd: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        if self._log is not None:
-            self._log.close()
-        self._log = open(log_path, "ab")
-        self._log_path, self._log_tail = log_path, None
-        self._out_offset, self._out_partial = self._log.tell(), b""
-        self._generation = generation
-        self._proc = subprocess.Popen(
+        self.log = open(log_path, "ab")
+        self.log_path = log_path
+        self.out_offset = self.log.tell()
+        self.proc = subprocess.Popen(
             cmd,
-            env=full_env,
+            env=env,
             cwd=cwd,
-            stdout=self._log,
+            stdout=self.log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-        node = self.node_info()
-        return LaunchedRank(
-            rank=self.rank,
-            pid=self._proc.pid,
-            generation=generation,
-            report=f"unix://{sock}",
-            port=int(env.get("MASTER_PORT", 0)),
-            node_id=node.node_id,
-            host=node.host,
-            ip=node.ip,
-            agent_pid=node.pid,
-            gpu_ids=node.gpu_ids,
-        )
 
-    def poll(self) -> RankPoll:
-        """Drain buffered report lines; exit code (and the log's tail) if the process ended."""
-        with self._lock:
-            lines, self._lines = self._lines, []
-            overflow, self._overflow = self._overflow, 0
-            oversize, self._oversize = self._oversize, 0
-            age = time.monotonic() - self._last_rx
-        code = None if self._proc is None else self._proc.poll()
-        output, skipped = self._new_output()
-        return RankPoll(
-            rank=self.rank,
-            generation=self._generation,
-            lines=tuple(lines),
-            overflow=overflow,
-            oversize=oversize,
-            exit_code=code,
-            rx_age_s=age,
-            pid=None if self._proc is None else self._proc.pid,
-            log_tail=self._tail() if code is not None else "",
-            output=output,
-            output_skipped=skipped,
-        )
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
-    def _new_output(self) -> tuple[tuple[str, ...], int]:
-        """The rank's output written since the last poll, as whole lines, at most
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def drain(self) -> tuple[list[bytes], int, int, float]:
+        """The buffered lines, the overflow and oversize counts since the last drain, and the
+        seconds since anything arrived."""
+        with self.lock:
+            lines, self.lines = self.lines, []
+            overflow, self.overflow = self.overflow, 0
+            oversize, self.oversize = self.oversize, 0
+            return lines, overflow, oversize, time.monotonic() - self.last_rx
+
+    def new_output(self) -> tuple[tuple[str, ...], int]:
+        """The process's output written since the last call, as whole lines, at most
         :data:`OUTPUT_BYTES_PER_POLL` of it; the number of bytes skipped beyond that (the full
         log stays in ``RUN_DIR/logs``)."""
-        if not self._log_path:
+        if not self.log_path:
             return (), 0
         try:
-            with open(self._log_path, "rb") as f:
+            with open(self.log_path, "rb") as f:
                 end = f.seek(0, os.SEEK_END)
-                available = end - self._out_offset
+                available = end - self.out_offset
                 skipped = max(available - OUTPUT_BYTES_PER_POLL, 0)
-                f.seek(self._out_offset + skipped)
+                f.seek(self.out_offset + skipped)
                 data = f.read(available - skipped)
         except OSError:
             return (), 0
-        self._out_offset = end  # read or skipped, it is consumed
+        self.out_offset = end  # read or skipped, it is consumed
         if skipped:
-            self._out_partial = b""  # the unfinished line was in the skipped part
-        data = self._out_partial + data
+            self.out_partial = b""  # the unfinished line was in the skipped part
+        data = self.out_partial + data
         complete, newline, rest = data.rpartition(b"\n")
         if not newline:  # no line finished yet
-            self._out_partial = data[-OUTPUT_BYTES_PER_POLL:]
+            self.out_partial = data[-OUTPUT_BYTES_PER_POLL:]
             return (), skipped
-        self._out_partial = rest[-OUTPUT_BYTES_PER_POLL:]
+        self.out_partial = rest[-OUTPUT_BYTES_PER_POLL:]
         return tuple(complete.decode("utf-8", "replace").split("\n")), skipped
 
-    def _tail(self) -> str:
-        """The last few KiB of this generation's log (read once, after the process ended)."""
-        if self._log_tail is None and self._log_path:
+    def tail(self) -> str:
+        """The last few KiB of the log (read once, after the process ended)."""
+        if self.log_tail is None and self.log_path:
             try:
-                if self._log is not None:
-                    self._log.flush()
-                with open(self._log_path, "rb") as f:
+                if self.log is not None:
+                    self.log.flush()
+                with open(self.log_path, "rb") as f:
                     f.seek(0, os.SEEK_END)
                     f.seek(max(f.tell() - LOG_TAIL_BYTES, 0))
-                    self._log_tail = f.read().decode("utf-8", "replace")
+                    self.log_tail = f.read().decode("utf-8", "replace")
             except OSError as e:
-                self._log_tail = f"(log {self._log_path} unreadable: {e})"
-        return self._log_tail or ""
+                self.log_tail = f"(log {self.log_path} unreadable: {e})"
+        return self.log_tail or ""
 
     def kill(self, grace_s: float = 0.0) -> RankKill:
-        """SIGKILL the rank's whole process group (after SIGTERM and ``grace_s`` if > 0).
-
-        Works while the rank is hung inside a collective or stopped (SIGSTOP). The result says
-        whether SIGTERM was ignored for the whole grace period (``forced``) and whether the
-        process is still there 10 s after SIGKILL (``alive``: stuck in the kernel).
-        """
+        """SIGKILL the process's whole group (after SIGTERM and ``grace_s`` if > 0); see
+        :meth:`RankAgent.kill`."""
         t0 = time.monotonic()
-        p = self._proc
+        p = self.proc
         if p is None or p.poll() is not None:
             return RankKill(rank=self.rank, pid=None if p is None else p.pid)
         forced = alive = False
@@ -299,6 +230,232 @@ class RankAgent:
             alive=alive,
             pid=p.pid,
         )
+
+    def close(self) -> None:
+        """Stop serving its socket (its connections close as the process goes)."""
+        with self.lock:
+            self.closed = True
+            conns, self.conns = list(self.conns), set()
+        if self.server is not None:
+            self.server.close()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class RankAgent:
+    """Plain class; the supervisor wraps it with ``ray.remote`` (see :mod:`.group`).
+
+    It runs one generation's process of its rank at a time (the active one), and optionally a
+    **standby**: the next generation's process, started ahead of need, which runs the user's
+    script up to ``resume()`` (interpreter, imports, process group, model) and waits there. A
+    recovery then releases it (:meth:`release`) instead of starting a cold process.
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._sockdir = tempfile.mkdtemp(prefix="sg-")
+        self._active: _Process | None = None
+        self._standby: _Process | None = None
+        self._mutex = threading.Lock()  # start / release / kill of the processes
+
+    # -- placement facts ------------------------------------------------------------------
+    def node_info(self) -> NodeInfo:
+        """Where this agent (and so its rank) runs."""
+        import ray
+
+        return NodeInfo(
+            node_id=ray.get_runtime_context().get_node_id(),
+            ip=ray.util.get_node_ip_address(),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+        )
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def request(self, payload: dict[str, Any]) -> bool:
+        """Send ``payload`` (one JSON line) to the active process; True when it is alive to get
+        it (now, or when it connects: requests are re-sent on every new connection)."""
+        p = self._active
+        return p.request(payload) if p is not None else False
+
+    # -- process lifecycle ------------------------------------------------------------------
+    def _new_process(
+        self,
+        *,
+        generation: int,
+        cmd: list[str],
+        env: dict[str, str],
+        cwd: str,
+        log_path: str,
+        pass_env: tuple[str, ...],
+        standby: bool,
+    ) -> _Process:
+        tag = "s" if standby else "g"
+        sock = os.path.join(self._sockdir, f"r{self.rank}-{tag}{generation}.sock")
+        proc = _Process(rank=self.rank, generation=generation, sock=sock)
+        proc.serve()
+        from .environment import rank_environment
+
+        # never the supervisor's secrets: the rank runs the user's script and its libraries
+        extra = {contract.ENV_REPORT: f"unix://{sock}"}
+        if standby:
+            extra[contract.ENV_STANDBY] = str(os.getpid())  # its parent: gone, it exits
+        full_env = rank_environment(os.environ, env, extra, passed=pass_env)
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        proc.port = int(env.get("MASTER_PORT", 0))
+        proc.start(cmd, full_env, cwd, log_path)
+        return proc
+
+    def _launched(self, p: _Process, *, standby: bool) -> LaunchedRank:
+        node = self.node_info()
+        assert p.proc is not None
+        return LaunchedRank(
+            rank=self.rank,
+            pid=p.proc.pid,
+            generation=p.generation,
+            report=f"unix://{p.sock}",
+            port=p.port,
+            node_id=node.node_id,
+            host=node.host,
+            ip=node.ip,
+            agent_pid=node.pid,
+            gpu_ids=node.gpu_ids,
+            standby=standby,
+        )
+
+    def start(
+        self,
+        *,
+        generation: int,
+        cmd: list[str],
+        env: dict[str, str],
+        cwd: str,
+        log_path: str,
+        pass_env: tuple[str, ...] = (),
+    ) -> LaunchedRank:
+        """Start generation ``generation`` of this rank (``env`` holds its torchrun variables;
+        ``pass_env`` names the agent's variables the rank gets although they look secret)."""
+        with self._mutex:
+            self._retire_active()
+            self._active = self._new_process(
+                generation=generation,
+                cmd=cmd,
+                env=env,
+                cwd=cwd,
+                log_path=log_path,
+                pass_env=pass_env,
+                standby=False,
+            )
+            return self._launched(self._active, standby=False)
+
+    def start_standby(
+        self,
+        *,
+        generation: int,
+        cmd: list[str],
+        env: dict[str, str],
+        cwd: str,
+        log_path: str,
+        pass_env: tuple[str, ...] = (),
+    ) -> LaunchedRank:
+        """Start a standby process for ``generation`` (replacing any standby there was): it
+        runs up to ``resume()`` and waits for :meth:`release`."""
+        with self._mutex:
+            self._kill_standby()
+            self._standby = self._new_process(
+                generation=generation,
+                cmd=cmd,
+                env=env,
+                cwd=cwd,
+                log_path=log_path,
+                pass_env=pass_env,
+                standby=True,
+            )
+            return self._launched(self._standby, standby=True)
+
+    def release(self, *, generation: int, plan_path: str | None) -> LaunchedRank | None:
+        """Make the standby of ``generation`` the active process and hand it its plan; None
+        (and the standby killed) when there is no live standby of that generation."""
+        with self._mutex:
+            p = self._standby
+            if p is None or p.generation != generation or not p.alive():
+                self._kill_standby()
+                return None
+            self._retire_active()
+            self._standby, self._active = None, p
+            p.request({"type": "release", "generation": generation, "plan": plan_path})
+            return self._launched(p, standby=True)
+
+    def kill_standby(self) -> RankKill:
+        """Kill the standby process, if any."""
+        with self._mutex:
+            return self._kill_standby()
+
+    def _kill_standby(self) -> RankKill:
+        p, self._standby = self._standby, None
+        if p is None:
+            return RankKill(rank=self.rank)
+        res = p.kill()
+        p.close()
+        return res
+
+    def _retire_active(self) -> None:
+        p = self._active
+        if p is not None:
+            if p.alive():
+                p.kill()
+            p.close()
+
+    def poll(self) -> RankPoll:
+        """Drain the active process's buffered report lines; its exit code (and its log's tail)
+        once it ended; the standby's state."""
+        p, sb = self._active, self._standby
+        standby_exit = None if sb is None else sb.exit_code()
+        standby = {
+            "standby_generation": None if sb is None else sb.generation,
+            "standby_ready": sb is not None and sb.heard and standby_exit is None,
+            "standby_exit": standby_exit,
+            "standby_tail": sb.tail() if sb is not None and standby_exit is not None else "",
+        }
+        if p is None:
+            return RankPoll(rank=self.rank, generation=-1, **standby)
+        lines, overflow, oversize, age = p.drain()
+        code = p.exit_code()
+        output, skipped = p.new_output()
+        return RankPoll(
+            rank=self.rank,
+            generation=p.generation,
+            lines=tuple(lines),
+            overflow=overflow,
+            oversize=oversize,
+            exit_code=code,
+            rx_age_s=age,
+            pid=None if p.proc is None else p.proc.pid,
+            log_tail=p.tail() if code is not None else "",
+            output=output,
+            output_skipped=skipped,
+            **standby,
+        )
+
+    def kill(self, grace_s: float = 0.0) -> RankKill:
+        """SIGKILL the active process's whole group (after SIGTERM and ``grace_s`` if > 0).
+
+        Works while the rank is hung inside a collective or stopped (SIGSTOP). The result says
+        whether SIGTERM was ignored for the whole grace period (``forced``) and whether the
+        process is still there 10 s after SIGKILL (``alive``: stuck in the kernel). A standby
+        is left alone (:meth:`kill_standby`).
+        """
+        p = self._active
+        if p is None:
+            return RankKill(rank=self.rank)
+        return p.kill(grace_s)
 
     def ping(self) -> int:
         return self.rank

@@ -25,9 +25,21 @@ from spikeguard.workers import contract
 from .. import rundir
 from .agent import RankAgent
 from .topology import Layout, rank_variables
-from .types import GroupSpec, KillReport, LaunchedRank, LaunchError, NodeInfo, RankKill, RankPoll
+from .types import (
+    GroupSpec,
+    KillReport,
+    LaunchedRank,
+    LaunchError,
+    NodeInfo,
+    RankKill,
+    RankPoll,
+    StandbyChange,
+)
 
 __all__ = ["GroupSpec", "LaunchError", "WorkerGroup", "python_cmd"]
+
+STANDBY_MAX_FAILURES = 3
+"""Standbys that die in a row (while waiting) before standby is given up for the run."""
 
 
 class WorkerGroup:
@@ -44,6 +56,16 @@ class WorkerGroup:
         self._lost: dict[int, str] = {}  # rank -> why its agent is gone
         self._builds = 0
         self._generation: int | None = None
+        self._standby_gen: int | None = None
+        """The generation whose standby processes run on every rank (None: no standby)."""
+        self._standby_dead: dict[int, tuple[int, str]] = {}
+        """Ranks whose standby died while waiting: (exit code, log tail)."""
+        self._standby_ready: set[int] = set()
+        """Ranks whose standby has reported (waits for its release)."""
+        self._standby_announced = False
+        self._standby_failures = 0
+        self._standby_off: str | None = None
+        """Why standby was given up for the run (None: it is not)."""
 
     # -- the gang ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -112,6 +134,7 @@ class WorkerGroup:
         self.start()
 
     def _drop(self) -> None:
+        self._standby_gen, self._standby_dead = None, {}  # they go with their agents
         for a in self._agents:
             try:
                 ray.kill(a, no_restart=True)
@@ -129,52 +152,30 @@ class WorkerGroup:
         return int(ray.get(self._agents[0].free_port.remote(), timeout=30))
 
     # -- generations ---------------------------------------------------------------------------
-    def launch(
+    def _rank_envs(
         self,
         *,
         generation: int,
-        cmd: list[str],
+        port: int,
         env: dict[str, str],
         plan_path: str | None,
         fence_file: str,
         ckpt_dir: str,
-    ) -> list[LaunchedRank]:
-        """Start generation ``generation``: a fresh master port, torchrun env per rank.
-
-        Rebuilds the gang first if an agent was lost. Raises :class:`LaunchError` when the gang
-        cannot be placed or started.
-        """
-        try:
-            if not self._healthy():
-                self.rebuild()
-            master_ip = self._nodes[0].ip
-            port = self._pick_port()
-        except (RayError, GetTimeoutError) as e:
-            raise LaunchError(
-                f"preparing generation {generation} failed: {type(e).__name__}: {e}"[:500]
-            ) from e
-        if self._pending:
-            # a slow poll still in flight must drain the old generation, not the new one
-            ray.wait(
-                [ref for ref, _ in self._pending.values()],
-                num_returns=len(self._pending),
-                timeout=2.0,
-            )
-            self._pending = {}
+    ) -> list[tuple[dict[str, str], str]]:
+        """Per rank: the environment of its process of ``generation`` and its log's path
+        (created private first). Raises :class:`LaunchError` if a log cannot be created."""
         layout = Layout(
             run_id=self.run_id,
             generation=generation,
-            master_addr=master_ip,
+            master_addr=self._nodes[0].ip,
             master_port=port,
             gpus_per_worker=self.spec.gpus_per_worker,
             cpus_per_worker=self.spec.cpus_per_worker,
             omp_num_threads=env.get("OMP_NUM_THREADS"),
         )
-        calls = []
-        for r, (agent, launcher) in enumerate(
-            zip(self._agents, rank_variables(self._nodes, layout))
-        ):
-            logs = os.path.join(self.run_dir, "logs")
+        logs = os.path.join(self.run_dir, "logs")
+        out = []
+        for r, launcher in enumerate(rank_variables(self._nodes, layout)):
             rank_env = {**env, **launcher}
             rank_env.update(
                 {
@@ -192,16 +193,68 @@ class WorkerGroup:
                 rundir.private_log(Path(log))
             except (OSError, rundir.UnsafePath) as e:
                 raise LaunchError(f"cannot create the log of rank {r}: {e}"[:500]) from e
-            calls.append(
-                agent.start.remote(
-                    generation=generation,
-                    cmd=cmd,
-                    env=rank_env,
-                    cwd=os.getcwd(),
-                    log_path=log,
-                    pass_env=self.spec.pass_env,
-                )
+            out.append((rank_env, log))
+        return out
+
+    def _drain_pending(self) -> None:
+        """A slow poll still in flight must drain the old generation, not the new one."""
+        if self._pending:
+            ray.wait(
+                [ref for ref, _ in self._pending.values()],
+                num_returns=len(self._pending),
+                timeout=2.0,
             )
+            self._pending = {}
+
+    def launch(
+        self,
+        *,
+        generation: int,
+        cmd: list[str],
+        env: dict[str, str],
+        plan_path: str | None,
+        fence_file: str,
+        ckpt_dir: str,
+    ) -> list[LaunchedRank]:
+        """Start generation ``generation``: the standby of that generation released if there is
+        a live one (:meth:`standby`), otherwise fresh processes on a fresh master port.
+
+        Rebuilds the gang first if an agent was lost. Raises :class:`LaunchError` when the gang
+        cannot be placed or started.
+        """
+        try:
+            if not self._healthy():
+                self.rebuild()
+            released = self._release(generation, plan_path)
+            if released is not None:
+                self._drain_pending()
+                self._pending, self._generation = {}, generation
+                return released
+            port = self._pick_port()
+        except (RayError, GetTimeoutError) as e:
+            raise LaunchError(
+                f"preparing generation {generation} failed: {type(e).__name__}: {e}"[:500]
+            ) from e
+        self._drain_pending()
+        envs = self._rank_envs(
+            generation=generation,
+            port=port,
+            env=env,
+            plan_path=plan_path,
+            fence_file=fence_file,
+            ckpt_dir=ckpt_dir,
+        )
+        calls = [
+            agent.start.remote(
+                generation=generation,
+                cmd=cmd,
+                env=rank_env,
+                cwd=os.getcwd(),
+                log_path=log,
+                pass_env=self.spec.pass_env,
+            )
+            for agent, (rank_env, log) in zip(self._agents, envs)
+        ]
         try:
             started = ray.get(calls, timeout=60)
         except (RayError, GetTimeoutError) as e:
@@ -210,6 +263,137 @@ class WorkerGroup:
             ) from e
         self._pending, self._generation = {}, generation
         return list(started)
+
+    # -- the warm standby ------------------------------------------------------------------------
+    def standby(
+        self,
+        *,
+        generation: int,
+        cmd: list[str],
+        env: dict[str, str],
+        fence_file: str,
+        ckpt_dir: str,
+    ) -> StandbyChange | None:
+        """Keep a standby of ``generation`` (the next one) ready on every rank: start it if there
+        is none, replace it if one of its processes died, discard one of another generation.
+        Returns what changed (for the journal), None when nothing did. Called by the controller
+        while a generation trains; never raises (a standby is an optimisation)."""
+        if self._lost or not self._agents or self._standby_off is not None:
+            return None
+        if self._standby_gen is not None and self._standby_gen != generation:
+            old = self._standby_gen
+            self._kill_standby()
+            return StandbyChange(
+                what="discarded",
+                generation=old,
+                reason=f"generation {generation} is the next one now",
+            )
+        if self._standby_gen is not None and self._standby_dead:
+            rank, (code, tail) = min(self._standby_dead.items())
+            self._kill_standby()
+            self._standby_failures += 1
+            if self._standby_failures >= STANDBY_MAX_FAILURES:
+                self._standby_off = (
+                    f"{self._standby_failures} standbys in a row died while waiting; "
+                    f"the last: rank {rank} exited {code}"
+                )
+                return StandbyChange(
+                    what="disabled",
+                    generation=generation,
+                    reason=self._standby_off,
+                    rank=rank,
+                    exit_code=code,
+                    log_tail=tail,
+                )
+            return StandbyChange(
+                what="lost",
+                generation=generation,
+                reason=f"rank {rank}'s standby exited {code} while waiting; replacing it",
+                rank=rank,
+                exit_code=code,
+                log_tail=tail,
+            )
+        if self._standby_gen == generation:
+            if self._standby_announced or len(self._standby_ready) < len(self._agents):
+                return None
+            self._standby_announced = True
+            return StandbyChange(
+                what="ready",
+                generation=generation,
+                reason=f"every rank's standby of generation {generation} waits for its release",
+            )
+        try:
+            port = self._pick_port()
+            envs = self._rank_envs(
+                generation=generation,
+                port=port,
+                env=env,
+                plan_path=None,
+                fence_file=fence_file,
+                ckpt_dir=ckpt_dir,
+            )
+            calls = [
+                agent.start_standby.remote(
+                    generation=generation,
+                    cmd=cmd,
+                    env=rank_env,
+                    cwd=os.getcwd(),
+                    log_path=log,
+                    pass_env=self.spec.pass_env,
+                )
+                for agent, (rank_env, log) in zip(self._agents, envs)
+            ]
+            started: list[LaunchedRank] = ray.get(calls, timeout=60)
+        except (RayError, GetTimeoutError, LaunchError) as e:
+            self._kill_standby()
+            self._standby_failures += 1
+            why = f"starting the standby failed: {type(e).__name__}: {e}"[:500]
+            if self._standby_failures >= STANDBY_MAX_FAILURES:
+                self._standby_off = why
+            return StandbyChange(
+                what="disabled" if self._standby_off else "lost",
+                generation=generation,
+                reason=why,
+            )
+        self._standby_gen, self._standby_dead = generation, {}
+        self._standby_ready, self._standby_announced = set(), False
+        return StandbyChange(
+            what="started",
+            generation=generation,
+            reason=f"standby of generation {generation} started on port {port}",
+            pids=tuple(r.pid for r in started),
+            port=port,
+        )
+
+    def _release(self, generation: int, plan_path: str | None) -> list[LaunchedRank] | None:
+        """Release the standby of ``generation`` on every rank; None (and any standby killed)
+        when there is no complete, live one."""
+        if self._standby_gen is None:
+            return None
+        if self._standby_gen != generation or self._standby_dead:
+            self._kill_standby()
+            return None
+        refs = [a.release.remote(generation=generation, plan_path=plan_path) for a in self._agents]
+        released = ray.get(refs, timeout=30)
+        self._standby_gen = None
+        if any(r is None for r in released):
+            self._kill_standby()  # a partial gang cannot train: every rank starts cold
+            self._kill_released(released)
+            return None
+        self._standby_failures = 0
+        return list(released)
+
+    def _kill_released(self, released: list[LaunchedRank | None]) -> None:
+        refs = [a.kill.remote() for a, r in zip(self._agents, released) if r is not None]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=15)
+
+    def _kill_standby(self) -> None:
+        """Kill every rank's standby (best effort; a standby also exits when fenced)."""
+        self._standby_gen, self._standby_dead = None, {}
+        refs = [a.kill_standby.remote() for r, a in enumerate(self._agents) if r not in self._lost]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=15)
 
     def poll(self, timeout_s: float = 0.5) -> list[RankPoll]:
         """One poll result per rank that answered; a lost agent reads as exit code -9 with ``lost``.
@@ -228,9 +412,20 @@ class WorkerGroup:
             if ref in ready:
                 del self._pending[r]
                 try:
-                    out.append(ray.get(ref))
+                    poll: RankPoll = ray.get(ref)
                 except RayError as e:
                     out.append(self._mark_lost(r, f"{type(e).__name__}: {e}"))
+                    continue
+                out.append(poll)
+                waiting = self._standby_gen is not None
+                if (
+                    waiting
+                    and poll.standby_exit is not None
+                    and poll.standby_generation == self._standby_gen
+                ):
+                    self._standby_dead[r] = (poll.standby_exit, poll.standby_tail)
+                if waiting and poll.standby_ready and poll.standby_generation == self._standby_gen:
+                    self._standby_ready.add(r)
             elif time.monotonic() - sent > self.spec.agent_timeout_s:
                 del self._pending[r]
                 out.append(
@@ -310,6 +505,7 @@ class WorkerGroup:
         if self._agents:
             try:
                 self.kill()
+                self._kill_standby()
             except RayError:
                 pass
         self._drop()

@@ -69,6 +69,8 @@ class LaunchedRank:
     agent_pid: int | None = None
     gpu_ids: tuple[str, ...] = ()
     """The GPUs Ray assigned this rank (device ids on its node)."""
+    standby: bool = False
+    """A standby process: started ahead of need (or, in a launch, released from standby)."""
 
     def to_dict(self) -> dict[str, Any]:
         """For the journal's ``launch`` event (what fencing and reaping need later)."""
@@ -104,6 +106,31 @@ class RankPoll:
     output_skipped: int = 0
     """Bytes of output beyond the bound, left out of ``output`` (the full log is in
     RUN_DIR/logs)."""
+    standby_generation: int | None = None
+    """The generation of the rank's standby process, if it has one."""
+    standby_ready: bool = False
+    """The standby process has reported (it is waiting for its release)."""
+    standby_exit: int | None = None
+    """The standby's exit code once it ended (it should never end by itself)."""
+    standby_tail: str = ""
+    """The end of the standby's log, once it ended."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StandbyChange:
+    """What happened to the warm standby (see :meth:`~.group.WorkerGroup.standby`)."""
+
+    what: str
+    """``started``, ``ready`` (every rank's standby reported: it waits for its release),
+    ``lost`` (a standby process died, or starting one failed: replaced next time),
+    ``discarded`` (its generation will not come) or ``disabled`` (given up for the run)."""
+    generation: int
+    reason: str
+    rank: int | None = None
+    exit_code: int | None = None
+    log_tail: str = ""
+    pids: tuple[int, ...] = ()
+    port: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -157,4 +184,17 @@ class Group(Protocol):
     def request(self, payload: dict[str, Any]) -> int:
         """Send ``payload`` to every rank of the current generation (the rank's SDK reads it at its
         next step); returns how many ranks it reached."""
+        ...
+
+    def standby(
+        self,
+        *,
+        generation: int,
+        cmd: list[str],
+        env: dict[str, str],
+        fence_file: str,
+        ckpt_dir: str,
+    ) -> StandbyChange | None:
+        """Keep the standby of ``generation`` ready (only called with the job's ``standby``);
+        what changed, for the journal."""
         ...

@@ -120,7 +120,19 @@ class _Fields:
 
 
 def _launch(f: _Fields) -> str:
-    return f"{f.bold('Launched')} generation {f.text('generation')}, LR scale {f.num('lr_scale')}"
+    ranks = f.get("ranks")
+    warm = (
+        isinstance(ranks, list)
+        and bool(ranks)
+        and all(isinstance(r, dict) and r.get("standby") is True for r in ranks)
+    )
+    how = " (released from standby)" if warm else ""
+    line = f"{f.bold('Launched')} generation {f.text('generation')}{how}"
+    return f"{line}, LR scale {f.num('lr_scale')}"
+
+
+def _standby(f: _Fields) -> str:
+    return f.because(f.bold(f"Standby of generation {f.text('generation')}"))
 
 
 def _incident(f: _Fields) -> str:
@@ -290,6 +302,7 @@ TEMPLATES: dict[Kind, Callable[[_Fields], str]] = {
     Kind.ALERT: _alert,
     Kind.SUPERVISOR_START: _headline("Supervisor started"),
     Kind.REAPED: _headline("Killed leftover rank processes"),
+    Kind.STANDBY: _standby,
     Kind.NOTIFY_THREAD: _notify_thread,
     Kind.NOTIFY_UNDELIVERED: _notify_undelivered,
 }

@@ -28,7 +28,9 @@ the step this generation started at. Modes:
 
 ``--env-out DIR`` writes the environment the rank started with to ``DIR/rank{RANK}.json`` (and
 ``DIR/gen{GEN}-rank{RANK}.json``, kept across generations). ``--print-every N`` prints
-``step S loss L`` every N steps on stdout (for the driver-log tests).
+``step S loss L`` every N steps on stdout (for the driver-log tests). ``--hold-at S --hold-file
+F``: in generation 1, every rank waits before step S until file F exists (a test decides when
+the run goes on).
 """
 
 from __future__ import annotations
@@ -186,6 +188,8 @@ def main() -> int:
     p.add_argument("--slow-sleep", type=float, default=1.0)
     p.add_argument("--env-out", help="write this rank's environment to DIR/rank{RANK}.json")
     p.add_argument("--print-every", type=int, default=0)
+    p.add_argument("--hold-at", type=int, default=-1)
+    p.add_argument("--hold-file", default="")
     args = p.parse_args()
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -213,6 +217,9 @@ def main() -> int:
     for step in range(start, args.steps):
         if sg.should_skip(step):
             continue
+        if args.hold_file and gen == 1 and step == args.hold_at:
+            while not os.path.exists(args.hold_file):
+                time.sleep(0.05)
         mode = plan.get(step)
         if mode == "exit":
             print(f"rank {rank}: injected exit at step {step}", flush=True)

@@ -20,10 +20,11 @@ from .env import (
     ENV_RESUME,
     ENV_RUN_ID,
     ENV_SAMPLE_EVERY,
+    ENV_STANDBY,
     env_int,
 )
 from .exitcodes import ExitCode
-from .messages import FORMAT_VERSION, MESSAGE_TYPES, SUPERVISOR_MESSAGE_TYPES
+from .messages import FORMAT_VERSION, MESSAGE_TYPES, REQUEST_TYPES, SUPERVISOR_MESSAGE_TYPES
 from .plan import ResumePlan
 from .secrets import find_secret, redact, secret_key, secret_value
 from .signals import (
@@ -49,10 +50,12 @@ __all__ = [
     "ENV_RESUME",
     "ENV_RUN_ID",
     "ENV_SAMPLE_EVERY",
+    "ENV_STANDBY",
     "FORMAT_VERSION",
     "GRADE_THRESHOLDS",
     "LAYER_SIGNALS",
     "MESSAGE_TYPES",
+    "REQUEST_TYPES",
     "SIGNALS",
     "STEP_SIGNALS",
     "SUPERVISOR_MESSAGE_TYPES",

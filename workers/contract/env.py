@@ -79,6 +79,13 @@ ENV_FENCE_FILE = "SPIKEGUARD_FENCE_FILE"
 refuses to write checkpoints (a frozen node that wakes up after it was replaced must not
 overwrite anything)."""
 
+ENV_STANDBY = "SPIKEGUARD_STANDBY"
+"""Set in a standby process (the job's ``standby: true``) to the pid of the agent that started
+it (its parent). Started while the generation before it trains, a standby runs the script up
+to ``resume()`` (or its first ``step()``) and waits there for the supervisor's ``release``
+request, which names the generation and the resume plan. It exits by itself once the FENCE
+file names a later generation or its parent is no longer that agent."""
+
 
 def env_int(name: str, default: int) -> int:
     """The integer in environment variable ``name``; ``default`` when unset or empty."""

@@ -49,6 +49,12 @@ MESSAGE_TYPES = (
 SUPERVISOR_MESSAGE_TYPES = ("exit", "hang")
 """What the supervisor synthesises for the policy engine."""
 
+REQUEST_TYPES = ("checkpoint", "release")
+"""What the supervisor sends a rank (one JSON line each, on the report socket): ``checkpoint``
+(``id``, ``reason``: save at the next step boundary, see ``Session.should_checkpoint``) and
+``release`` (``generation``, ``plan``: a standby process becomes the generation and resumes
+from the plan file, see ``ENV_STANDBY``)."""
+
 MAX_LINE_BYTES = 1 << 20
 """The longest line (newline excluded) a message may take; longer ones are dropped unread."""
 
