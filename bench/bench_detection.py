@@ -51,9 +51,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import table
+from common import split_passthrough, standalone_rank, table
+from example_seeds import example_argv
 
-VARIANTS = {"default": [], "stable": ["--stable"], "qk-norm": ["--qk-norm"]}
 SAMPLE_EVERY = 25
 """The probe interval of ``spikeguard demo`` (and so of these runs)."""
 
@@ -111,9 +111,7 @@ def train_unsupervised(
     seed: int, variant: str, out_dir: str, extra: list[str], progress_every: int
 ) -> dict[str, Any]:
     """One run without a supervisor, its reports in ``out_dir``; returns its path and losses."""
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    for key in [k for k in os.environ if k.startswith("SPIKEGUARD_")]:
-        del os.environ[key]
+    standalone_rank()
     import torch
 
     torch.set_num_threads(1)
@@ -122,24 +120,8 @@ def train_unsupervised(
     report = os.path.join(out_dir, f"seed{seed}-{variant}.jsonl")
     if os.path.exists(report):
         os.unlink(report)
-    argv = [
-        "--seed",
-        str(seed),
-        "--batch",
-        "32",
-        "--log-every",
-        "0",
-        "--ckpt-every",
-        "0",
-        "--nan-patience",
-        "0",
-        "--sample-every",
-        str(SAMPLE_EVERY),
-        "--report",
-        f"jsonl://{report}",
-        *VARIANTS[variant],
-        *extra,
-    ]
+    more = ["--sample-every", str(SAMPLE_EVERY), "--report", f"jsonl://{report}", *extra]
+    argv = example_argv(seed, variant, more)
     args = ex.parse_args(argv)
     tag = f"[seed {seed} {variant}]"
 
@@ -327,11 +309,7 @@ def plot_leads(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark and print its tables; returns the rows."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
+    argv, extra = split_passthrough(list(sys.argv[1:] if argv is None else argv))
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog="arguments after -- go to gpt_diverge.py"
     )

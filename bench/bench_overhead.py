@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Any
 
-from common import interleaved, table
+from common import interleaved, standalone_rank, table
 
 VARIANTS = {"no-sdk": None, "sdk/200": 200, "sdk/10": 10}
 
@@ -56,9 +56,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.rounds = 5, 1
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    for key in [k for k in os.environ if k.startswith("SPIKEGUARD_")]:
-        del os.environ[key]  # nothing from a surrounding supervised run may steer the SDK here
+    standalone_rank()  # nothing from a surrounding supervised run may steer the SDK here
 
     import torch
 

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
     args = p.parse_args(argv)
     if args.smoke:
-        args.steps, args.rounds, args.drain_s = 300, 1, 10.0
+        args.steps, args.rounds = 300, 1
 
     import torch
     from spikeguard.examples.model import GPT

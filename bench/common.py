@@ -76,3 +76,21 @@ def _cell(value: Any, spec: str) -> str:
     if isinstance(value, str):
         return value
     return format(value, spec)
+
+
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` split at ``--``: the bench's own arguments, and those passed on to the example."""
+    if "--" not in argv:
+        return list(argv), []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1 :]
+
+
+def standalone_rank() -> None:
+    """Make this process a lone rank (world size 1) that no supervisor steers: torchrun's
+    variables set, every ``SPIKEGUARD_*`` variable of a surrounding run removed."""
+    import os
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    for key in [k for k in os.environ if k.startswith("SPIKEGUARD_")]:
+        del os.environ[key]
