@@ -32,7 +32,18 @@ import os
 import sys
 import time
 
+from common import split_passthrough
+
 VARIANTS = {"default": [], "stable": ["--stable"], "qk-norm": ["--qk-norm"]}
+
+
+def example_argv(seed: int, variant: str, extra: list[str]) -> list[str]:
+    """The example's arguments for one world-size-1 run of ``seed`` and ``variant``: the 2-rank
+    job's global batch (2 x 16), quiet, no checkpoints, never stopping on NaNs; ``extra`` last."""
+    return [
+        *("--seed", str(seed), "--batch", "32", "--log-every", "0", "--ckpt-every", "0"),
+        *("--nan-patience", "0", *VARIANTS[variant], *extra),
+    ]
 
 
 def run_one(seed: int, variant: str, extra: list[str], progress_every: int) -> dict:
@@ -42,23 +53,7 @@ def run_one(seed: int, variant: str, extra: list[str], progress_every: int) -> d
     torch.set_num_threads(1)
     from spikeguard.examples import gpt_diverge as ex
 
-    argv = [
-        "--no-sdk",
-        "--seed",
-        str(seed),
-        "--batch",
-        "32",
-        "--log-every",
-        "0",
-        "--logit-every",
-        "50",
-        "--ckpt-every",
-        "0",
-        "--nan-patience",
-        "0",
-        *VARIANTS[variant],
-        *extra,
-    ]
+    argv = ["--no-sdk", "--logit-every", "50", *example_argv(seed, variant, extra)]
     args = ex.parse_args(argv)
     tag = f"[seed {seed} {variant}]"
     steps: list[int] = []
@@ -116,11 +111,7 @@ def fmt_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
+    argv, extra = split_passthrough(list(sys.argv[1:] if argv is None else argv))
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog="arguments after -- go to gpt_diverge.py"
     )

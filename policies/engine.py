@@ -290,9 +290,13 @@ class Engine:
                     s.add(m.step, v)
 
     def _evaluate(self, c: _Compiled, m: RankMessage) -> list[Decision]:
-        per_layer = self._instances.setdefault((c.index, m.rank), {})
+        per_layer = self._instances.get((c.index, m.rank))
+        if per_layer is None:
+            per_layer = self._instances[(c.index, m.rank)] = {}
         for layer in c.layers(m):
-            inst = per_layer.setdefault(layer, _Instance())
+            inst = per_layer.get(layer)
+            if inst is None:
+                inst = per_layer[layer] = _Instance()
             if not c.events:
                 if inst.last_step is not None and m.step <= inst.last_step:
                     continue  # this step was already evaluated (heartbeat, then the report)
@@ -338,7 +342,9 @@ class Engine:
     def _update(
         self, c: _Compiled, m: RankMessage, key: tuple, hit: Hit | None, rank: int | None, who: str
     ) -> list[Decision]:
-        group = self._groups.setdefault(key, _Firing())
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Firing()
         rule = c.rule
         if hit is not None and not group.firing:
             if self._cooling(c, m):

@@ -5,6 +5,7 @@ Pure functions of a message and the series the engine keeps; no state of their o
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import math
@@ -100,7 +101,11 @@ class Series:
         self.points.append((step, value))
 
     def before(self, step: int) -> list[tuple[int, float]]:
-        return [p for p in self.points if p[0] < step]
+        """The points of steps before ``step``, oldest first (steps only ever increase)."""
+        points = self.points
+        if not points or points[-1][0] < step:
+            return list(points)  # the usual case, the newest point is older: all of them
+        return [p for p in points if p[0] < step]
 
     def rewound(self, step: int) -> Series | None:
         """A copy holding only the points before ``step`` (None when none is)."""
@@ -137,7 +142,9 @@ def _window(
         return pts if len(pts) >= size or (not need_full and pts) else None
     if need_full and (series.first_step is None or series.first_step > step - size):
         return None
-    pts = [p for p in past if p[0] >= step - size]
+    # past is in step order: the window starts at the first point of step >= step - size
+    # ((s,) sorts before every (s, value), so no value is ever compared)
+    pts = past[bisect.bisect_left(past, (step - size,)) :]
     return pts or None
 
 
@@ -255,7 +262,7 @@ def robust_z(v: float, values: Iterable[float]) -> tuple[float, float]:
     """(median, z) with z = (v - median) / (1.4826 · MAD); ±inf when the window is constant."""
     values = list(values)
     med = statistics.median(values)
-    scale = 1.4826 * statistics.median(abs(x - med) for x in values)
+    scale = 1.4826 * statistics.median([abs(x - med) for x in values])
     if scale > 0:
         return med, (v - med) / scale
     return med, 0.0 if v == med else math.copysign(math.inf, v - med)

@@ -108,10 +108,37 @@ def test_k_limits_the_spectrum() -> None:
 def test_auto_picks_by_shape() -> None:
     assert S.choose_method(4096, 64) == "svd"
     assert S.choose_method(64, 4096) == "svd"
-    assert S.choose_method(8192, 1024) == "gram"
-    assert S.choose_method(1024, 8192) == "gram"
-    assert S.choose_method(2048, 2048) == "gram"
+    assert S.choose_method(2048, 512) == "gram"
+    assert S.choose_method(512, 8192) == "gram"
+    assert S.choose_method(8192, 1024) == "lowrank"
+    assert S.choose_method(1024, 8192) == "lowrank"
     assert S.choose_method(4096, 4096) == "lowrank"
+
+
+@pytest.mark.parametrize("shape", [(3000, 520), (520, 700)])
+def test_lowrank_basis_never_outgrows_a_narrow_matrix(shape: tuple[int, int]) -> None:
+    # 520 columns hold 10 blocks of 48 at most: the Krylov basis must stop growing before it
+    # runs out of directions (an exhausted block would break the Rayleigh-Ritz step)
+    x = realistic(*shape, "pow0.5")
+    assert S.effective_rank(x, method="lowrank") == pytest.approx(ref_erank(x), rel=1e-3)
+
+
+def test_lowrank_exact_on_a_rank_deficient_matrix() -> None:
+    # rank 5 < block: every later Krylov block is numerically dependent on the first
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2048, 5, generator=g) @ torch.randn(5, 1024, generator=g)
+    assert S.effective_rank(x, method="lowrank") == pytest.approx(ref_erank(x), rel=1e-4)
+
+
+def test_nonfinite_found_whether_or_not_the_sum_overflows() -> None:
+    x = realistic(600, 40, "pow0.5")
+    big = (x / x.abs().max() * 1000 + 1000).half()  # finite, but its float16 sum is inf
+    assert not math.isfinite(float(big.sum()))
+    assert S.effective_rank(big) == pytest.approx(ref_erank(big.float()), rel=1e-3)
+    for bad in (math.nan, math.inf, -math.inf):
+        y = x.clone()
+        y[17, 3] = bad
+        assert math.isnan(S.effective_rank(y))
 
 
 @pytest.mark.parametrize("shape", [(2048, 160), (160, 1536), (1024, 512), (300, 300)])
