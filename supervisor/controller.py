@@ -39,6 +39,8 @@ class Notifier(Protocol):
     def handle(self, event: dict[str, Any]) -> None: ...
 
 
+STATUS_EVERY_S = 1.0
+"""How often ``status.json`` is rewritten while nothing but the ranks' progress changes."""
 STANDBY_CHECK_S = 1.0
 """How often the warm standby is looked after (started, replaced, discarded)."""
 
@@ -101,6 +103,8 @@ class Controller:
         self.standby = standby
         """Keep the next generation's processes warm (the job's ``standby``)."""
         self._standby_checked = float("-inf")
+        self._status_key: tuple[Any, ...] | None = None
+        self._status_at = float("-inf")
         self.state = rc.State()
         self._preempt_reason: str | None = None
         self._awaited: tuple[int, float] | None = None
@@ -190,7 +194,7 @@ class Controller:
             self._apply(rc.Finished(self.collector.final_loss()))
         if self.on_tick:
             self.on_tick(self)
-        self._write_status()
+        self._write_status(every_s=STATUS_EVERY_S)
         return self.state
 
     # -- messages -> decisions -> observations --------------------------------------------------
@@ -461,7 +465,15 @@ class Controller:
             except Exception as e:  # a notifier must never stop a recovery
                 print(f"spikeguard: notifier {type(n).__name__} failed: {e}")
 
-    def _write_status(self) -> None:
+    def _write_status(self, *, every_s: float = 0.0) -> None:
+        """``RUN_DIR/status.json``; with ``every_s``, at most that often unless the phase or
+        the generation changed (at a thousand ranks, writing it every poll is a tenth of the
+        supervisor's CPU)."""
+        now = time.monotonic()
+        key = (self.state.phase, self.state.generation)
+        if every_s and key == self._status_key and now - self._status_at < every_s:
+            return
+        self._status_key, self._status_at = key, now
         rundir.write_status(self.run_dir, live_status(self.state, self.collector))
 
     def close(self) -> None:
