@@ -162,6 +162,21 @@ OnExhausted = Annotated[
 ]
 
 
+SkipBy = Annotated[
+    Literal["steps", "batch_ids"],
+    BeforeValidator(
+        lambda v: (
+            v
+            if v in ("steps", "batch_ids")
+            else fail(
+                f"unknown value {show(v)}{suggest(v, ('steps', 'batch_ids'))}; expected "
+                "'steps' or 'batch_ids'"
+            )
+        )
+    ),
+]
+
+
 def lr_factor_for(factors: Sequence[float], attempt: int) -> float:
     """The LR factor of the ``attempt``-th recovery (0-based): ``factors[attempt]``, the last one
     repeating."""
@@ -184,6 +199,10 @@ class RecoverySettings(_Model):
     """Start the optimizer from fresh state on resume (its moments are often poisoned)."""
     skip_window: StepCount = 0
     """Skip the batches of this many steps before the incident on resume (0: skip none)."""
+    skip_by: SkipBy = "steps"
+    """How skip_window skips: 'steps' (those steps, when the data order repeats after a
+    rollback) or 'batch_ids' (the batches the ranks recorded for those steps, by their ids,
+    wherever they come up again; the steps when no rank answered in time)."""
     probation_steps: StepCount = 1000
     """Steps after a resume during which any recover decision counts as a failed attempt."""
     max_attempts: Attempts = 3
@@ -220,6 +239,8 @@ class RecoveryOverrides(_Model):
     """Override of recovery.reset_optimizer."""
     skip_window: StepCount | None = None
     """Override of recovery.skip_window."""
+    skip_by: SkipBy | None = None
+    """Override of recovery.skip_by."""
     probation_steps: StepCount | None = None
     """Override of recovery.probation_steps."""
     max_attempts: Attempts | None = None
