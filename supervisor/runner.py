@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import signal
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from spikeguard.workers import contract
@@ -55,6 +57,42 @@ def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> l
         return notifiers
     notifiers.append(SlackNotifier(settings, run=run_id, journal=journal_fn))
     return notifiers
+
+
+def start_metrics(job: JobSpec, run_dir: Path) -> Any:
+    """The job's Prometheus exporter, serving; None (said in one line) when the job turns it off,
+    ``prometheus_client`` is not installed or the address cannot be bound: metrics never stop a
+    run. (A restarted run's journal is folded in with the other notifiers' ``restore``, so the
+    counters count the whole run.)"""
+    m = job.metrics
+    if not m.enabled:
+        return None
+    from .observe.exporter import MetricsExporter, missing
+
+    why = missing()
+    if why is not None:
+        print(f"spikeguard: no /metrics: {why}", flush=True)
+        return None
+    exporter = MetricsExporter(run=job.name, max_layers=m.max_layers)
+    try:
+        url = exporter.serve(m.address, m.port)
+    except OSError as e:
+        print(f"spikeguard: no /metrics: cannot listen on {m.address}:{m.port}: {e}", flush=True)
+        return None
+    rundir.write_atomic(run_dir / "metrics.url", url + "\n")
+    print(f"spikeguard: Prometheus metrics at {url}", flush=True)
+    return exporter
+
+
+def ticks(*hooks: Callable[[Any], None] | None) -> Callable[[Any], None]:
+    """One controller tick hook calling each of ``hooks`` (None ones skipped) in turn."""
+    live = [h for h in hooks if h is not None]
+
+    def tick(ctl: Any) -> None:
+        for hook in live:
+            hook(ctl)
+
+    return tick
 
 
 def finished_outcome(events: list[dict[str, Any]]) -> rc.State | None:
@@ -116,6 +154,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         print(f"spikeguard: {e}", flush=True)
         return ExitCode.BAD_INPUT
     t = job.timeouts
+    exporter = start_metrics(job, run_dir)
     started = init_ray(job)
     group = WorkerGroup(
         GroupSpec(
@@ -153,10 +192,15 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
             launch_retries=t.launch_retries,
             reap_interval_s=t.reap_interval_s,
             default_settings=rc.Settings.from_policy(policy.recovery),
-            on_tick=LiveView() if live else None,
             preempt_grace_s=t.preempt_grace_s,
+            batch_ids_wait_s=t.batch_ids_s,
         )
+        if exporter is not None:
+            exporter.clock = ctl.journal.mono  # heartbeat ages on the supervisor's clock
+        ctl.on_tick = ticks(LiveView() if live else None, exporter.tick if exporter else None)
         notifiers = make_notifiers(job, policy, job.name, ctl.journal.record)
+        if exporter is not None:
+            notifiers.append(exporter)
         for n in notifiers if events else ():
             # the Slack threads of open incidents continue where the dead supervisor left them
             restore = getattr(n, "restore", None)
@@ -181,6 +225,11 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         return ExitCode.INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, old_term)
+        if exporter is not None:
+            if ctl is not None:  # the final state, scraped once if Prometheus is watching
+                exporter.tick(ctl)
+                exporter.final_scrape(job.metrics.final_scrape_s)
+            exporter.close()  # (again among the notifiers: a no-op)
         if ctl is not None:
             for n in ctl.notifiers:
                 close = getattr(n, "close", None)
