@@ -117,6 +117,22 @@ def _status_text(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _report(args: argparse.Namespace) -> int:
+    from .observe.report import write_report
+
+    out = Path(args.output) if args.output else Path(args.run_dir) / "report.html"
+    try:
+        path = write_report(args.run_dir, out)
+    except FileNotFoundError as e:
+        print(f"spikeguard report: {e}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    except (OSError, rundir.UnsafePath) as e:
+        print(f"spikeguard report: cannot write {out}: {e}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    print(f"spikeguard: wrote {path} (one self-contained HTML file: open it in any browser)")
+    return ExitCode.OK
+
+
 def _events(args: argparse.Namespace) -> int:
     from .journal import read_events, redact_fields
     from .notify.describe import describe
@@ -244,6 +260,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="redraw every SECONDS (2) until the run ends (Ctrl-C stops watching)",
     )
     s.set_defaults(func=_status)
+    s = sub.add_parser(
+        "report",
+        help="the post-mortem of a run as one self-contained HTML file",
+        description="Renders RUN_DIR (finished, running or crashed) into one HTML file that "
+        "opens without a network: the signals by generation, a per-layer heatmap, incidents, "
+        "checkpoints, batch forensics and the journal.",
+    )
+    s.add_argument("run_dir")
+    s.add_argument("-o", "--output", help="where to write it (default: RUN_DIR/report.html)")
+    s.set_defaults(func=_report)
     s = sub.add_parser("events", help="the run's journal")
     s.add_argument("run_dir")
     s.add_argument("--json", action="store_true", help="JSON lines")
