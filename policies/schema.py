@@ -148,33 +148,23 @@ LrFactors = Annotated[
     ),
 ]
 Attempts = Annotated[int, Field(ge=1)]
-OnExhausted = Annotated[
-    Literal["stop", "hold"],
-    BeforeValidator(
-        lambda v: (
-            v
-            if v in ("stop", "hold")
-            else fail(
-                f"unknown value {show(v)}{suggest(v, ('stop', 'hold'))}; expected 'stop' or 'hold'"
-            )
-        )
-    ),
-]
 
 
-SkipBy = Annotated[
-    Literal["steps", "batch_ids"],
-    BeforeValidator(
-        lambda v: (
-            v
-            if v in ("steps", "batch_ids")
-            else fail(
-                f"unknown value {show(v)}{suggest(v, ('steps', 'batch_ids'))}; expected "
-                "'steps' or 'batch_ids'"
-            )
-        )
-    ),
-]
+def _one_of(*choices: str) -> BeforeValidator:
+    """Accept one of ``choices`` (the type's ``Literal``); anything else is an error naming the
+    value, a did-you-mean and the choices."""
+    expected = " or ".join(repr(c) for c in choices)
+
+    def check(v: Any) -> Any:
+        if v in choices:
+            return v
+        fail(f"unknown value {show(v)}{suggest(v, choices)}; expected {expected}")
+
+    return BeforeValidator(check)
+
+
+OnExhausted = Annotated[Literal["stop", "hold"], _one_of("stop", "hold")]
+SkipBy = Annotated[Literal["steps", "batch_ids"], _one_of("steps", "batch_ids")]
 
 
 def lr_factor_for(factors: Sequence[float], attempt: int) -> float:

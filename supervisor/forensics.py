@@ -21,18 +21,17 @@ the batches recorded for the incident's window wherever they come up again.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 from typing import Any
 
+from spikeguard.workers import batches
+
 from .events import Kind
 
 INCIDENTS_DIR = "incidents"
 _INCIDENT_RE = re.compile(r"^inc-\d{1,9}$")
-MAX_FILE_BYTES = 256 << 20
-"""A batch-ids file larger than this is not read back."""
 
 
 def batch_ids_path(run_dir: str | os.PathLike[str], incident: str, attempt: int) -> Path:
@@ -124,19 +123,9 @@ def event(doc: dict[str, Any], path: Path | None) -> dict[str, Any]:
 
 
 def read_batch_ids(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A batch-ids file read back; ``ValueError`` (with the reason) for one that is too large,
-    unreadable or not a batch-ids document."""
-    try:
-        size = os.stat(path).st_size
-        if size > MAX_FILE_BYTES:
-            raise ValueError(f"{path}: {size} bytes, more than {MAX_FILE_BYTES}")
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot be read ({e})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("ranks"), dict):
-        raise ValueError(f"{path}: not a batch-ids file")
-    return doc
+    """A batch-ids file read back (the ranks read it with the same code); ``ValueError`` (with
+    the reason) for one that is too large, unreadable or not a batch-ids document."""
+    return batches.read_batch_ids(path)
 
 
 def _answers(doc: dict[str, Any]) -> list[Any]:

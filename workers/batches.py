@@ -64,10 +64,10 @@ def answer_entries(
     return kept, len(items) - len(kept)
 
 
-def load_skip_set(path: str, window: tuple[int, int]) -> set[str]:
-    """The :func:`batch_key` of every batch the file at ``path`` records for a step in
-    ``window`` (inclusive), over all ranks. Raises ``ValueError`` (with the reason) for a file
-    that is missing, too large or not a batch-ids file."""
+def read_batch_ids(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The batch-ids file at ``path`` (the supervisor's record of an incident, see
+    ``spikeguard.supervisor.forensics``). Raises ``ValueError`` (with the reason) for a file that
+    is missing, too large, unreadable or not a batch-ids document (no ``ranks`` object)."""
     try:
         size = os.stat(path).st_size
         if size > MAX_SKIP_FILE_BYTES:
@@ -76,9 +76,15 @@ def load_skip_set(path: str, window: tuple[int, int]) -> set[str]:
             doc = json.load(f)
     except (OSError, RecursionError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read batch ids from {path}: {e}") from None
-    ranks = doc.get("ranks") if isinstance(doc, dict) else None
-    if not isinstance(ranks, dict):
+    if not isinstance(doc, dict) or not isinstance(doc.get("ranks"), dict):
         raise ValueError(f"{path} is not a batch-ids file (no 'ranks' object)")
+    return doc
+
+
+def load_skip_set(path: str, window: tuple[int, int]) -> set[str]:
+    """The :func:`batch_key` of every batch the file at ``path`` records for a step in
+    ``window`` (inclusive), over all ranks; ``ValueError`` as :func:`read_batch_ids`."""
+    ranks = read_batch_ids(path)["ranks"]
     first, last = window
     keys: set[str] = set()
     for answer in ranks.values():

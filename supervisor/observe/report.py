@@ -32,7 +32,7 @@ from spikeguard.workers.contract.secrets import redact
 from spikeguard.workers.contract.signals import grade_text
 
 from .. import forensics as fx
-from ..notify.describe import describe
+from ..notify.describe import describe, ranks_text
 from ..secrets import held_secrets
 from .rundata import Generation, RunData, load_run
 from .svg import PALETTE, Axis, Chart, color_scale, esc, finite
@@ -460,9 +460,9 @@ class _Page:
             by_steps = sorted(s for s, how in steps.items() if how != "batch_ids")
             parts = []
             if by_ids:
-                parts.append(f"{len(by_ids)} batches by id (at steps {_ranges(by_ids)})")
+                parts.append(f"{len(by_ids)} batches by id (at steps {ranks_text(by_ids)})")
             if by_steps:
-                parts.append(f"the batches of steps {_ranges(by_steps)}")
+                parts.append(f"the batches of steps {ranks_text(by_steps)}")
             out.append(f"<p>Generation {esc(gen)} skipped {esc('; '.join(parts))}.</p>")
         return "".join(out)
 
@@ -518,17 +518,6 @@ def _fmt(x: Any) -> str:
 
 def _clip(text: str, n: int) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
-
-
-def _ranges(steps: list[int]) -> str:
-    """``[5, 6, 7, 9]`` -> ``5–7, 9``."""
-    runs: list[list[int]] = []
-    for s in steps:
-        if runs and s == runs[-1][1] + 1:
-            runs[-1][1] = s
-        else:
-            runs.append([s, s])
-    return ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b in runs)
 
 
 def _thin(points: list[tuple[int, float]]) -> list[tuple[float, float]]:

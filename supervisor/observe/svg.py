@@ -88,6 +88,11 @@ class Axis:
         return out
 
 
+def _tip(label: str) -> str:
+    """A tooltip: the element's ``<title>`` (empty for no label)."""
+    return f"<title>{esc(label)}</title>" if label else ""
+
+
 def tick_text(v: float) -> str:
     """A compact label: ``1.5k``, ``0.25``, ``1e-05``."""
     if v == 0:
@@ -198,7 +203,7 @@ class Chart:
         if not parts:
             return
         dash = ' stroke-dasharray="4 3" stroke-opacity="0.55"' if dashed else ""
-        tip = f"<title>{esc(label)}</title>" if label else ""
+        tip = _tip(label)
         self._body.append(
             f'<path class="{esc(css_class)}" d="{"".join(parts)}" fill="none" '
             f'stroke="{esc(color)}" stroke-width="1.3"{dash}>{tip}</path>'
@@ -212,7 +217,7 @@ class Chart:
         if px is None:
             return
         dash = ' stroke-dasharray="5 3"' if dashed else ""
-        tip = f"<title>{esc(label)}</title>" if label else ""
+        tip = _tip(label)
         self._body.append(
             f'<line class="marker {esc(css_class)}" x1="{px:.1f}" x2="{px:.1f}" '
             f'y1="{self.top}" y2="{self.top + self.plot_height:.1f}" stroke="{esc(color)}" '
@@ -223,20 +228,22 @@ class Chart:
         self, x0: float, x1: float, y0: float, y1: float, *, fill: str, label: str = ""
     ) -> None:
         """A heatmap cell between pixel columns ``x0``..``x1`` and rows ``y0``..``y1``."""
-        tip = f"<title>{esc(label)}</title>" if label else ""
-        self._body.append(
-            f'<rect class="cell" x="{x0:.1f}" y="{y0:.1f}" width="{max(x1 - x0, 0.5):.1f}" '
-            f'height="{max(y1 - y0, 0.5):.1f}" fill="{esc(fill)}">{tip}</rect>'
-        )
+        w, h = max(x1 - x0, 0.5), max(y1 - y0, 0.5)
+        self._rect("cell", x0, y0, w, h, f'fill="{esc(fill)}"', label)
 
     def outline(
         self, x: float, y: float, w: float, h: float, *, css_class: str, label: str = ""
     ) -> None:
         """An unfilled black box at pixel (x, y) of size w × h (a marked heatmap cell)."""
-        tip = f"<title>{esc(label)}</title>" if label else ""
+        self._rect(css_class, x, y, w, h, 'fill="none" stroke="#000" stroke-width="2"', label)
+
+    def _rect(
+        self, css_class: str, x: float, y: float, w: float, h: float, paint: str, label: str
+    ) -> None:
+        tip = _tip(label)
         self._body.append(
             f'<rect class="{esc(css_class)}" x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" '
-            f'height="{h:.1f}" fill="none" stroke="#000" stroke-width="2">{tip}</rect>'
+            f'height="{h:.1f}" {paint}>{tip}</rect>'
         )
 
     def text(
