@@ -84,6 +84,32 @@ def start_metrics(job: JobSpec, run_dir: Path) -> Any:
     return exporter
 
 
+def also_into(exporter: Any, record: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """``record`` (the journal's), folding each event it journals into ``exporter`` as well:
+    the Slack notifier journals from its own thread (``notify_undelivered``), past the
+    controller's notifiers."""
+
+    def journal(event: dict[str, Any]) -> dict[str, Any]:
+        rec = record(event)
+        exporter.handle(rec)
+        return rec
+
+    return journal
+
+
+def finish_metrics(exporter: Any, ctl: Any, timeout_s: float, *, interrupted: bool) -> None:
+    """Show the run's final state and stop serving. When the run ended, keep serving until
+    Prometheus scraped that state once (at most ``timeout_s``; not at all when nothing ever
+    scraped): the alert rules tell a finished run from a dead supervisor by it. Not after
+    Ctrl-C (a person is at the terminal) nor a preemption (the platform's grace period is
+    short, and a preempted run is not finished: its supervisor is meant to come back)."""
+    if ctl is not None:
+        exporter.tick(ctl)
+        if not interrupted and ctl.state.phase in rc.TERMINAL:
+            exporter.final_scrape(timeout_s)
+    exporter.close()  # (again among the notifiers: a no-op)
+
+
 def ticks(*hooks: Callable[[Any], None] | None) -> Callable[[Any], None]:
     """One controller tick hook calling each of ``hooks`` (None ones skipped) in turn."""
     live = [h for h in hooks if h is not None]
@@ -174,6 +200,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
     if job.sample_every:
         env[contract.ENV_SAMPLE_EVERY] = str(job.sample_every)
     ctl: Controller | None = None
+    interrupted = False
     old_term = signal.getsignal(signal.SIGTERM)
     try:  # the first launch places the gang (a placement failure is a launch failure, retried)
         ctl = Controller(
@@ -198,7 +225,10 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         if exporter is not None:
             exporter.clock = ctl.journal.mono  # heartbeat ages on the supervisor's clock
         ctl.on_tick = ticks(LiveView() if live else None, exporter.tick if exporter else None)
-        notifiers = make_notifiers(job, policy, job.name, ctl.journal.record)
+        journal_fn = ctl.journal.record
+        if exporter is not None:  # what the Slack thread journals (undelivered) is counted too
+            journal_fn = also_into(exporter, ctl.journal.record)
+        notifiers = make_notifiers(job, policy, job.name, journal_fn)
         if exporter is not None:
             notifiers.append(exporter)
         for n in notifiers if events else ():
@@ -219,6 +249,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         )
         return ctl.run(resume_events=events or None)
     except KeyboardInterrupt:
+        interrupted = True
         if ctl is not None:
             rundir.write_atomic(ctl.stop_file, "interrupted (Ctrl-C)")
             ctl.step()
@@ -226,10 +257,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
     finally:
         signal.signal(signal.SIGTERM, old_term)
         if exporter is not None:
-            if ctl is not None:  # the final state, scraped once if Prometheus is watching
-                exporter.tick(ctl)
-                exporter.final_scrape(job.metrics.final_scrape_s)
-            exporter.close()  # (again among the notifiers: a no-op)
+            finish_metrics(exporter, ctl, job.metrics.final_scrape_s, interrupted=interrupted)
         if ctl is not None:
             for n in ctl.notifiers:
                 close = getattr(n, "close", None)

@@ -106,6 +106,47 @@ def test_the_demo_run_s_metrics_pass_promtool_and_say_what_happened():
                 assert value(text, "spikeguard_layer_grade", **r, layer=layer) == signals["grade"]
 
 
+def test_each_kind_of_event_is_counted_by_its_code_not_its_prose():
+    """The recovery machine's own events (an incident that escalates after a failed probation,
+    then a new one that resolves), and the notes other parts journal."""
+    from spikeguard.supervisor.observe.metrics import MetricsFold
+
+    s = rc.Settings(max_attempts=1)
+    state, events = rc.State(), []
+    for obs in (
+        rc.Launched(1),
+        rc.Recover("nan", "prose that changes", 100, s),
+        rc.Killed((0,), 0.1),
+        rc.CheckpointChosen("/c", step=50, grade=6),
+        rc.Launched(2),
+        rc.Recover("nan", "again", 120, s),  # in probation, budget spent: escalated
+    ):
+        t = rc.step(state, obs)
+        state = t.state
+        events += t.events
+    for i, ev in enumerate(events):
+        ev["mono"] = 10.0 * i
+    events += [
+        {"kind": "alert", "rule": "slow", "severity": "warn", "resolved": False},
+        {"kind": "alert", "rule": "slow", "severity": "warn", "resolved": True},
+        {"kind": "notify_undelivered", "what": "reply", "error": "ratelimited"},
+        {"kind": "launch_failed", "code": "launch_failed"},
+    ]
+    fold = MetricsFold(run="r")
+    for ev in events:
+        fold.handle(ev)
+    assert fold.incidents == {"nan": 1} and fold.attempts == {"nan": 1}
+    assert fold.recoveries == {("nan", "escalated"): 1}
+    assert fold.alerts == {("slow", "warn"): 1}  # the resolution is not a firing
+    assert fold.undelivered == 1 and fold.launch_failures == 1
+    incident = next(e for e in events if e["kind"] == "incident")
+    launch = next(e for e in events if e.get("code") == "relaunch_after_rollback")
+    assert fold.durations == {"nan": [launch["mono"] - incident["mono"]]}
+    escalated = next(e for e in events if e["kind"] == "escalated")
+    took = escalated["mono"] - incident["mono"]
+    assert fold.incident_durations == {("nan", "escalated"): [took]}
+
+
 def test_layer_labels_are_bounded_and_user_text_is_escaped():
     col = Collector(world_size=1, hang_timeout_s=60, first_heartbeat_timeout_s=300)
     col.new_generation(1, 0.0)

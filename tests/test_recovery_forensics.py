@@ -37,16 +37,14 @@ def test_every_incident_kill_asks_for_the_batch_ids_of_its_attempt():
     state = rc.step(state, rc.Launched(2)).state
     t = rc.step(state, rc.Recover("loss-spike", "again", 1300, BY_IDS))
     assert t.effects == (rc.Kill("incident inc-001: loss-spike", batch_ids_for=("inc-001", 2)),)
-    # the budget is spent: the escalation's kill still asks (what the human will want to see)
+    # the budget is spent: nothing will be relaunched, the escalation ends the journal
     state = rc.step(t.state, rc.Killed((0, 1), 0.1)).state
     state = rc.step(state, rc.CheckpointChosen("/c/1000.pt", step=1000, grade=6)).state
     state = rc.step(state, rc.Launched(3)).state
     t = rc.step(state, rc.Recover("loss-spike", "third", 1400, BY_IDS))
     assert [e["kind"] for e in t.events] == ["probation_failed", "escalated"]
-    assert t.effects[0] == rc.Kill(
-        "recovery budget of 2 attempts spent", batch_ids_for=("inc-001", 3)
-    )
-    # kills that are not an incident's do not ask
+    assert t.effects[0] == rc.Kill("recovery budget of 2 attempts spent")
+    # kills that are not an incident attempt's do not ask either
     stop = rc.step(rc.step(rc.State(), rc.Launched(1)).state, rc.StopRequested("by user"))
     assert stop.effects[0] == rc.Kill("by user")
 

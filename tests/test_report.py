@@ -83,7 +83,7 @@ def hostile_run(tmp_path: Path) -> Path:
         for ev in t.events:
             journal.record(ev)
     journal.close()
-    evil = '<script>window.__pwned=3</script>"><img src=x onerror="window.__pwned=4">'
+    evil = f'<script>window.__pwned=3</script>"><img src=x onerror="window.__pwned=4"> {TOKEN}'
     lines = []
     for step in range(6):
         msg = {"v": 1, "type": "report", "run": "x", "gen": 1, "rank": 0, "step": step, "t": 0}

@@ -353,7 +353,7 @@ class _Page:
             samples = sorted(g.layers)
             cols = _columns(samples)
             for name in names:
-                label = f"g{g.number} {name}"
+                label = redact(f"g{g.number} {name}", self.secrets)
                 chart.text(LEFT - 6, y + row_h - 3, _clip(label, 30), anchor="end", cls="row")
                 for first, last, steps in cols:
                     value = _worst([g.layers[s].get(name, {}).get(signal) for s in steps], signal)

@@ -584,16 +584,15 @@ def _give_up(
 ) -> Transition:
     """Escalate: stop the job (exit 3), or hold it for a human (``on_exhausted: hold``)."""
     extra = {"fail_fast": True} if fail_fast else {}
-    forensics = (inc.id, inc.attempts + 1)  # what the last decision saw, for the human
     if inc.settings.on_exhausted == "hold":
         events.append(
             _ev(Kind.ESCALATED, code, f"{why}; holding for a human", inc, hold=True, **extra)
         )
         st = _replace(state, phase=Phase.HOLDING, incident=inc)
-        return Transition(st, (Kill(f"{why}; holding", forensics),), tuple(events))
+        return Transition(st, (Kill(f"{why}; holding"),), tuple(events))
     events.append(_ev(Kind.ESCALATED, code, why, inc, hold=False, **extra))
     st = _replace(state, phase=Phase.ESCALATED, incident=inc, exit_code=ExitCode.ESCALATED)
-    return Transition(st, (Kill(why, forensics), Shutdown(ExitCode.ESCALATED)), tuple(events))
+    return Transition(st, (Kill(why), Shutdown(ExitCode.ESCALATED)), tuple(events))
 
 
 # ---- the run ends --------------------------------------------------------------------------------

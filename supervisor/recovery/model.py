@@ -423,7 +423,8 @@ class Kill:
     reason: str
     batch_ids_for: tuple[str, int] | None = None
     """(incident id, attempt): first ask the ranks for their recent batch ids and wait a short,
-    bounded time for them (the incident's forensics); None: kill at once."""
+    bounded time for them (the incident's forensics, and what a relaunch may skip); None: kill
+    at once (a stop, a failure, an escalation: the journal then ends with that event)."""
 
 
 @dataclasses.dataclass(frozen=True)
