@@ -20,7 +20,8 @@ from . import validate
 from .launch.types import RankPoll
 
 PROGRESS_SAMPLES = 256
-"""How many (time, step, tokens) samples a rank view keeps for its rates."""
+"""At most this many (time, step, tokens) samples a rank view keeps for its rates (those of
+the last :data:`RATE_WINDOW_S`, one per poll)."""
 RATE_WINDOW_S = 30.0
 """Steps/s and tokens/s are measured over this many seconds of the latest progress."""
 
@@ -258,24 +259,33 @@ class Collector:
 
 
 def _record_progress(v: RankView, now: float) -> None:
-    """One (time, step, tokens) sample per poll: the messages of one poll share its time."""
+    """One (time, step, tokens) sample per poll (the messages of one poll share its time);
+    samples older than the rate window are let go, so a rate costs a few samples."""
     sample = (now, v.step if v.step is not None else 0, v.tokens_total)
-    if v.progress and v.progress[-1][0] == now:
-        v.progress[-1] = sample
+    p = v.progress
+    if p and p[-1][0] == now:
+        p[-1] = sample
     else:
-        v.progress.append(sample)
+        p.append(sample)
+    while now - p[0][0] > RATE_WINDOW_S:
+        p.popleft()
 
 
 def rates(v: RankView, now: float, window_s: float = RATE_WINDOW_S) -> tuple[float | None, ...]:
     """(steps/s, tokens/s) of rank view ``v`` over the last ``window_s`` seconds before ``now``:
     0 for a rank silent that long, None before a second of progress was seen (tokens/s is None
     for a rank that reports no tokens)."""
-    recent = [p for p in v.progress if now - p[0] <= window_s]
+    p = v.progress
     has_tokens = v.tokens_total > 0
-    if not recent:
-        return (0.0, 0.0 if has_tokens else None) if v.progress else (None, None)
-    t0, s0, k0 = recent[0]
-    _, s1, k1 = recent[-1]
+    if not p:
+        return None, None
+    if now - p[-1][0] > window_s:
+        return 0.0, (0.0 if has_tokens else None)
+    i = 0
+    while now - p[i][0] > window_s:  # ends: the last sample is inside the window
+        i += 1
+    t0, s0, k0 = p[i]
+    _, s1, k1 = p[-1]
     span = now - t0
     if span < 1.0:
         return None, None
