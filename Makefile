@@ -13,7 +13,10 @@ TYPED := -p spikeguard.supervisor.recovery -p spikeguard.workers.contract -p spi
 	-m spikeguard.supervisor.secrets -m spikeguard.supervisor.launch.environment \
 	-m spikeguard.workers.checkpoint.select -m spikeguard.workers.checkpoint.format \
 	-m spikeguard.workers.checkpoint.pickle_scan -m spikeguard.workers.checkpoint.integrity \
-	-m spikeguard.supervisor.launch.topology
+	-m spikeguard.supervisor.launch.topology \
+	-m spikeguard.supervisor.forensics -m spikeguard.supervisor.status \
+	-m spikeguard.supervisor.observe.metrics -m spikeguard.supervisor.observe.svg \
+	-m spikeguard.workers.batches
 
 .PHONY: demo test setup lint typecheck clean
 

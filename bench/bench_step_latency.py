@@ -2,7 +2,7 @@
 
 The rank side is the real SDK (``spikeguard.workers.attach`` on the example's GPT, reporting
 over a Unix socket as under the supervisor). The supervisor side is the real agent reader
-(:class:`spikeguard.supervisor.launch.agent.RankAgent`'s report socket) in its own process,
+(the rank agent's report socket, :class:`spikeguard.supervisor.launch.agent._Process`) in its own process,
 drained by a poll every 250 ms as the controller does. Two variants, alternated round by round
 in one run:
 
@@ -45,10 +45,12 @@ def reader_main(path: str, conn: Any) -> None:
     """
     import json
 
-    from spikeguard.supervisor.launch.agent import RankAgent
+    from spikeguard.supervisor.launch.agent import _Process
 
-    agent = RankAgent(0)
-    agent._serve(path)  # the socket a launched rank reports to (start() would also spawn one)
+    # the agent's handling of one rank process: its report socket, reader threads and buffer
+    # (RankAgent.start would also spawn the process; here the rank is this bench's main process)
+    agent = _Process(rank=0, generation=0, sock=path)
+    agent.serve()
     lines = 0
     dropped = 0
     conn.send("ready")
@@ -57,7 +59,7 @@ def reader_main(path: str, conn: Any) -> None:
             if conn.recv() == "stop":
                 return
             conn.send({"lines": lines, "dropped": dropped})
-        for line in agent.poll().lines:
+        for line in agent.drain()[0]:
             lines += 1
             if b'"dropped"' in line:
                 msg = json.loads(line)

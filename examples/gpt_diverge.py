@@ -163,7 +163,7 @@ class NullSession:
     def resume(self, model, optimizer) -> int:
         return 0
 
-    def should_skip(self, step: int) -> bool:
+    def should_skip(self, step: int, batch_ids: object = None) -> bool:
         return False
 
     def should_checkpoint(self, step: int, every: int | None = None) -> bool:
@@ -249,7 +249,7 @@ def train(args: argparse.Namespace, on_step=None) -> dict:
         )
     try:
         for step in range(start, args.steps):
-            if sg.should_skip(step):
+            if sg.should_skip(step, batch_ids=batches.ids(step, rank)):
                 continue
             lr = lr_at(step, args)
             for g in optimizer.param_groups:
@@ -279,7 +279,15 @@ def train(args: argparse.Namespace, on_step=None) -> dict:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             local_loss = float(loss.detach())
-            sg.step(step=step, loss=local_loss, grad_norm=gn, lr=lr, batch_ids=ids)
+            sg.step(
+                step=step,
+                loss=local_loss,
+                grad_norm=gn,
+                lr=lr,
+                batch_ids=ids,
+                tokens=x.numel(),
+                total_steps=args.steps,
+            )
             last = step
             if sg.should_checkpoint(step, every=ckpt_every) and rank == 0:
                 sg.save_checkpoint(

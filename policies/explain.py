@@ -172,7 +172,10 @@ def explain_recovery(rs: RecoverySettings) -> str:
         )
         + f", compounding (x{rs.lr_scale(rs.max_attempts):.3g} after {rs.max_attempts})",
         "reset the optimizer" if rs.reset_optimizer else "keep the optimizer state",
-        f"skip the batches of the {rs.skip_window} steps before the incident"
+        (
+            f"skip the batches of the {rs.skip_window} steps before the incident"
+            + (" by their ids, wherever they come up again" if rs.skip_by == "batch_ids" else "")
+        )
         if rs.skip_window
         else "skip no data",
         f"then {rs.probation_steps} steps of probation" if rs.probation_steps else "no probation",

@@ -148,18 +148,23 @@ LrFactors = Annotated[
     ),
 ]
 Attempts = Annotated[int, Field(ge=1)]
-OnExhausted = Annotated[
-    Literal["stop", "hold"],
-    BeforeValidator(
-        lambda v: (
-            v
-            if v in ("stop", "hold")
-            else fail(
-                f"unknown value {show(v)}{suggest(v, ('stop', 'hold'))}; expected 'stop' or 'hold'"
-            )
-        )
-    ),
-]
+
+
+def _one_of(*choices: str) -> BeforeValidator:
+    """Accept one of ``choices`` (the type's ``Literal``); anything else is an error naming the
+    value, a did-you-mean and the choices."""
+    expected = " or ".join(repr(c) for c in choices)
+
+    def check(v: Any) -> Any:
+        if v in choices:
+            return v
+        fail(f"unknown value {show(v)}{suggest(v, choices)}; expected {expected}")
+
+    return BeforeValidator(check)
+
+
+OnExhausted = Annotated[Literal["stop", "hold"], _one_of("stop", "hold")]
+SkipBy = Annotated[Literal["steps", "batch_ids"], _one_of("steps", "batch_ids")]
 
 
 def lr_factor_for(factors: Sequence[float], attempt: int) -> float:
@@ -184,6 +189,10 @@ class RecoverySettings(_Model):
     """Start the optimizer from fresh state on resume (its moments are often poisoned)."""
     skip_window: StepCount = 0
     """Skip the batches of this many steps before the incident on resume (0: skip none)."""
+    skip_by: SkipBy = "steps"
+    """How skip_window skips: 'steps' (those steps, when the data order repeats after a
+    rollback) or 'batch_ids' (the batches the ranks recorded for those steps, by their ids,
+    wherever they come up again; the steps when no rank answered in time)."""
     probation_steps: StepCount = 1000
     """Steps after a resume during which any recover decision counts as a failed attempt."""
     max_attempts: Attempts = 3
@@ -220,6 +229,8 @@ class RecoveryOverrides(_Model):
     """Override of recovery.reset_optimizer."""
     skip_window: StepCount | None = None
     """Override of recovery.skip_window."""
+    skip_by: SkipBy | None = None
+    """Override of recovery.skip_by."""
     probation_steps: StepCount | None = None
     """Override of recovery.probation_steps."""
     max_attempts: Attempts | None = None

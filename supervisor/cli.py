@@ -59,38 +59,82 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .journal import read_events, redact_fields
-    from .notify.console import render_status
-    from .secrets import held_secrets
-    from .status import journal_view
-
     run = Path(args.run_dir)
     if not (run / "journal.jsonl").exists():
         print(f"spikeguard: no run in {args.run_dir} (no journal.jsonl)", file=sys.stderr)
         return ExitCode.BAD_INPUT
-    # the run as the journal says (true also when its supervisor is dead); the ranks as the
-    # live supervisor last wrote them
-    status = journal_view(read_events(run))
+    if args.watch is None:
+        status = _run_status(run)
+        print(json.dumps(status) if args.json else _status_text(status))
+        return ExitCode.OK
+    if args.watch <= 0:
+        print("spikeguard status: --watch takes a positive number of seconds", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    import time
+
+    clear = sys.stdout.isatty() and not args.json
+    try:
+        while True:
+            status = _run_status(run)
+            text = json.dumps(status) if args.json else _status_text(status)
+            print(("\033[H\033[2J" if clear else "") + text, flush=True)
+            if status.get("finished"):
+                return ExitCode.OK  # the run ended: nothing more will change
+            if not clear and not args.json:
+                print(flush=True)  # a blank line between views in a log or a pipe
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return ExitCode.OK
+
+
+def _run_status(run: Path) -> dict[str, Any]:
+    """The run as the journal says (true also when its supervisor is dead); the ranks and the
+    throughput as the live supervisor last wrote them in ``status.json``."""
+    from .journal import read_events, redact_fields
+    from .secrets import held_secrets
+    from .status import finished, journal_view
+
+    events = read_events(run)
+    status = journal_view(events)
+    status["finished"] = finished(events)
     live: dict[str, Any] = {}
     try:
         live = json.loads((run / "status.json").read_text())
     except (OSError, ValueError):
         pass
-    for key in ("ranks", "dropped", "rank_dropped", "updated"):
+    for key in ("ranks", "throughput", "dropped", "rank_dropped", "updated"):
         if key in live:
             status[key] = live[key]
-    status = redact_fields(status, held_secrets(os.environ))  # an older journal may hold one
-    if args.json:
-        print(json.dumps(status))
-        return ExitCode.OK
-    print(render_status(status))
+    return dict(redact_fields(status, held_secrets(os.environ)))  # an older journal may hold one
+
+
+def _status_text(status: dict[str, Any]) -> str:
+    from .notify.console import render_status
+
     last = status["last_event"]
-    print(
+    lines = [
+        render_status(status),
         f"{status['events']} events, {status['incidents']} incident(s); last: "
-        + (f"{last['kind']} — {last.get('reason') or ''}" if last else "none")
-    )
+        + (f"{last['kind']} — {last.get('reason') or ''}" if last else "none"),
+    ]
     if status.get("dropped"):
-        print(f"dropped reports: {status['dropped']}")
+        lines.append(f"dropped reports: {status['dropped']}")
+    return "\n".join(lines)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .observe.report import write_report
+
+    out = Path(args.output) if args.output else Path(args.run_dir) / "report.html"
+    try:
+        path = write_report(args.run_dir, out)
+    except FileNotFoundError as e:
+        print(f"spikeguard report: {e}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    except (OSError, rundir.UnsafePath) as e:
+        print(f"spikeguard report: cannot write {out}: {e}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    print(f"spikeguard: wrote {path} (one self-contained HTML file: open it in any browser)")
     return ExitCode.OK
 
 
@@ -214,7 +258,25 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="the state of a run")
     s.add_argument("run_dir")
     s.add_argument("--json", action="store_true")
+    s.add_argument(
+        "--watch",
+        nargs="?",
+        const=2.0,
+        type=float,
+        metavar="SECONDS",
+        help="redraw every SECONDS (2) until the run ends (Ctrl-C stops watching)",
+    )
     s.set_defaults(func=_status)
+    s = sub.add_parser(
+        "report",
+        help="the post-mortem of a run as one self-contained HTML file",
+        description="Renders RUN_DIR (finished, running or crashed) into one HTML file that "
+        "opens without a network: the signals by generation, a per-layer heatmap, incidents, "
+        "checkpoints, batch forensics and the journal.",
+    )
+    s.add_argument("run_dir")
+    s.add_argument("-o", "--output", help="where to write it (default: RUN_DIR/report.html)")
+    s.set_defaults(func=_report)
     s = sub.add_parser("events", help="the run's journal")
     s.add_argument("run_dir")
     s.add_argument("--json", action="store_true", help="JSON lines")

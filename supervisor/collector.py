@@ -19,6 +19,12 @@ from spikeguard.workers.contract.messages import FORMAT_VERSION
 from . import validate
 from .launch.types import RankPoll
 
+PROGRESS_SAMPLES = 256
+"""At most this many (time, step, tokens) samples a rank view keeps for its rates (those of
+the last :data:`RATE_WINDOW_S`, one per poll)."""
+RATE_WINDOW_S = 30.0
+"""Steps/s and tokens/s are measured over this many seconds of the latest progress."""
+
 
 @dataclasses.dataclass
 class RankView:
@@ -30,6 +36,16 @@ class RankView:
     lr: float | None = None
     grad_norm: float | None = None
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    layers: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """The per-layer signals of the rank's latest ``report`` (the metrics' per-layer series)."""
+    tokens_total: int = 0
+    """Tokens the rank reported processing in this generation (the sum of ``tokens``)."""
+    total_steps: int | None = None
+    """How many steps the script says it trains (``total_steps``), for the ETA."""
+    progress: collections.deque[tuple[float, int, int]] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=PROGRESS_SAMPLES)
+    )
+    """(time, step, tokens_total) at each poll that brought a step: for steps/s and tokens/s."""
     last_seen: float | None = None
     """Supervisor monotonic time of the last message (None: not yet)."""
     exit_code: int | None = None
@@ -55,6 +71,9 @@ class Collector:
         self.dropped: collections.Counter[str] = collections.Counter()
         self.rank_dropped = 0
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=400)
+        self.now: float | None = None
+        """The latest time the supervisor handed in (its monotonic clock): what ages and rates
+        in the live view are measured against."""
 
     # -- generations --------------------------------------------------------------------------
     def new_generation(self, generation: int, now: float, start_step: int = 0) -> None:
@@ -93,6 +112,7 @@ class Collector:
             self._drop("stale_generation")
             return None
         msg["at"] = round(now, 3)
+        self.now = now
         v = self.ranks[rank]
         v.last_seen = now
         v.hang_reported_at = None
@@ -102,8 +122,13 @@ class Collector:
             v.step = msg["step"]
             for k in validate.METRICS:
                 setattr(v, k, msg.get(k))
+            v.tokens_total += msg.get("tokens") or 0
+            if msg.get("total_steps") is not None:
+                v.total_steps = msg["total_steps"]
+            _record_progress(v, now)
             if msg["type"] == "report":
                 v.summary = dict(msg.get("summary") or {})
+                v.layers = dict(msg.get("layers") or {})
                 self.history.append(
                     {
                         "rank": rank,
@@ -180,6 +205,7 @@ class Collector:
         again after every further timeout of silence, with the growing ``age_s`` (so a rule such
         as ``hang: 5m`` fires once the silence reaches 5 minutes). Before its first heartbeat a
         rank has the longer ``first_heartbeat_timeout_s``; any message ends the silence."""
+        self.now = now
         if self.generation is None:
             return []
         out = []
@@ -223,8 +249,47 @@ class Collector:
         losses = [v.loss for v in self.ranks.values() if isinstance(v.loss, (int, float))]
         return sum(losses) / len(losses) if losses else None
 
+    def heartbeat_age(self, v: RankView, now: float) -> float:
+        """Seconds since rank view ``v`` last sent anything (since the launch, before its first
+        message)."""
+        return max(0.0, now - (self.launched_at if v.last_seen is None else v.last_seen))
+
     def _drop(self, why: str) -> None:
         self.dropped[why] += 1
+
+
+def _record_progress(v: RankView, now: float) -> None:
+    """One (time, step, tokens) sample per poll (the messages of one poll share its time);
+    samples older than the rate window are let go, so a rate costs a few samples."""
+    sample = (now, v.step if v.step is not None else 0, v.tokens_total)
+    p = v.progress
+    if p and p[-1][0] == now:
+        p[-1] = sample
+    else:
+        p.append(sample)
+    while now - p[0][0] > RATE_WINDOW_S:
+        p.popleft()
+
+
+def rates(v: RankView, now: float, window_s: float = RATE_WINDOW_S) -> tuple[float | None, ...]:
+    """(steps/s, tokens/s) of rank view ``v`` over the last ``window_s`` seconds before ``now``:
+    0 for a rank silent that long, None before a second of progress was seen (tokens/s is None
+    for a rank that reports no tokens)."""
+    p = v.progress
+    has_tokens = v.tokens_total > 0
+    if not p:
+        return None, None
+    if now - p[-1][0] > window_s:
+        return 0.0, (0.0 if has_tokens else None)
+    i = 0
+    while now - p[i][0] > window_s:  # ends: the last sample is inside the window
+        i += 1
+    t0, s0, k0 = p[i]
+    _, s1, k1 = p[-1]
+    span = now - t0
+    if span < 1.0:
+        return None, None
+    return (s1 - s0) / span, ((k1 - k0) / span if has_tokens else None)
 
 
 def is_finite(x: Any) -> bool:

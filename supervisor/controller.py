@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 from spikeguard.workers.checkpoint import select
 
+from . import forensics, rundir
 from . import recovery as rc
-from . import rundir
 from .collector import Collector, is_finite
 from .events import Kind
 from .journal import Journal
@@ -73,6 +73,7 @@ class Controller:
         preempt_grace_s: float = 30.0,
         on_output: Callable[[RankPoll], None] | None = None,
         standby: bool = False,
+        batch_ids_wait_s: float = 10.0,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -105,6 +106,9 @@ class Controller:
         self._standby_checked = float("-inf")
         self._status_key: tuple[Any, ...] | None = None
         self._status_at = float("-inf")
+        self.batch_ids_wait_s = batch_ids_wait_s
+        """How long an incident's kill waits for the ranks' batch ids (0: it does not ask)."""
+        self._batch_ids_requests = 0
         self.state = rc.State()
         self._preempt_reason: str | None = None
         self._awaited: tuple[int, float] | None = None
@@ -301,14 +305,60 @@ class Controller:
                     queue.append(outcome)
 
     def _kill(self, eff: rc.Kill) -> rc.Killed:
-        """Fence the generation (supervisor side, then FENCE for the ranks) and kill it."""
+        """Fence the generation (supervisor side, then FENCE for the ranks) and kill it; at an
+        incident, first ask the ranks for their recent batch ids (a short, bounded wait)."""
+        batch_ids = None
+        if eff.batch_ids_for is not None and self.collector.generation is not None:
+            batch_ids = self._collect_batch_ids(*eff.batch_ids_for)
         if self.collector.generation is not None:
             self.engine.retire(self.collector.generation)
         self.collector.fence()
         self._write_fence(rc.next_generation(self.state))
         report = self.group.kill(self.kill_grace_s)
         ranks = tuple(range(self.collector.world_size))
-        return rc.Killed(ranks, report.duration_s, report.forced, report.unreachable)
+        return rc.Killed(ranks, report.duration_s, report.forced, report.unreachable, batch_ids)
+
+    def _collect_batch_ids(self, incident: str, attempt: int) -> str | None:
+        """Ask the ranks still running for their ring buffers of batch ids, wait for the answers
+        up to ``batch_ids_wait_s`` (a rank that exited or fell silent is not waited for), store
+        them with the incident and journal a ``forensics`` event. Returns the file's path, or
+        None when no rank answered. The other messages that arrive meanwhile are recorded in
+        ``reports.jsonl`` but not evaluated: the generation is being killed."""
+        if self.batch_ids_wait_s <= 0:
+            return None
+        views = self.collector.ranks
+        asked = [r for r, v in views.items() if v.exit_code is None and not v.done]
+        waiting = {r for r in asked if views[r].hang_reported_at is None}
+        self._batch_ids_requests += 1
+        rid = self._batch_ids_requests
+        answers = forensics.Answers(
+            incident=incident, attempt=attempt, generation=self.collector.generation, asked=asked
+        )
+        t0 = time.monotonic()
+        if waiting and self.group.request({"type": "batch_ids", "id": rid, "incident": incident}):
+            while waiting and time.monotonic() - t0 < self.batch_ids_wait_s:
+                now = self.journal.mono()
+                for poll in self.group.poll():
+                    for msg in self.collector.ingest_poll(poll, now):
+                        if msg["type"] == "batch_ids" and msg.get("request") == rid:
+                            answers.add(msg)
+                        else:
+                            self._write_report(msg)
+                        if msg["type"] in ("batch_ids", "exit"):
+                            waiting.discard(msg["rank"])
+                time.sleep(0.05)
+        inc = self.state.incident
+        doc = answers.document(
+            incident_step=inc.step if inc is not None else None, waited_s=time.monotonic() - t0
+        )
+        path = None
+        if answers.ranks:
+            path = forensics.batch_ids_path(self.run_dir, incident, attempt)
+            rundir.private_dir(path.parent.parent)
+            rundir.private_dir(path.parent)
+            rundir.write_atomic(path, json.dumps(doc, separators=(",", ":")), fsync=True)
+        self._event(forensics.event(doc, path))
+        return None if path is None else str(path)
 
     def _select(self, eff: rc.SelectCheckpoint) -> rc.CheckpointChosen:
         """The newest checkpoint that qualifies and verifies (read from the sidecars)."""

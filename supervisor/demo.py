@@ -64,7 +64,7 @@ def run_demo(
 
 
 def story(run_dir: Path) -> None:
-    """Print the journal's recovery story and draw the run's curves."""
+    """Print the journal's recovery story and write the run's post-mortem."""
     events = read_events(run_dir)
     print("\n=== what happened (spikeguard events " + str(run_dir) + ") ===")
     for ev in events:
@@ -72,12 +72,16 @@ def story(run_dir: Path) -> None:
             continue
         print(f"  {ev['kind']:<17} {describe(ev)}")
     try:
-        from .observe.plots import plot_run
+        from .observe.report import write_report
 
-        png = plot_run(run_dir)
-        print(f"\ncurves (loss, grade, min-head attention entropy per generation): {png}")
-    except Exception as e:  # a missing plot must not fail the demo
-        print(f"(no plot: {e})")
+        page = write_report(run_dir, run_dir / "report.html")
+        print(
+            f"\nthe post-mortem (signals per generation, per-layer heatmap, checkpoints, batch "
+            f"forensics, journal): {page}\n  open it in a browser; `spikeguard report` makes it "
+            "for any run"
+        )
+    except Exception as e:  # a missing report must not fail the demo
+        print(f"(no report: {e})")
     last = events[-1] if events else {}
     if last.get("kind") == "completed":
         print(

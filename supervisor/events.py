@@ -56,6 +56,9 @@ class Kind(str, enum.Enum):
     """A restarted supervisor chose the checkpoint to resume a running generation from."""
     ALERT = "alert"
     """A notify (or checkpoint) rule fired or resolved, or an informational note."""
+    FORENSICS = "forensics"
+    """At an incident's kill, the ranks' recent batch ids were asked for and stored in the run
+    directory (``path``), or no rank answered in time."""
 
     SUPERVISOR_START = "supervisor_start"
     """A supervisor took over an unfinished run directory."""
@@ -96,6 +99,7 @@ STORY_KINDS = frozenset(
         Kind.LAUNCH_FAILED,
         Kind.RESUME,
         Kind.ALERT,
+        Kind.FORENSICS,
     }
 )
 """Kinds a person following the run wants to read (the console prints these)."""

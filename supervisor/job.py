@@ -48,6 +48,10 @@ class Timeouts(_Strict):
     reap_interval_s: float = Field(30.0, gt=0)
     """How often rank processes of replaced generations (frozen nodes come back) are looked for and
     killed."""
+    batch_ids_s: float = Field(10.0, ge=0)
+    """At an incident, how long the kill waits for the ranks' recent batch ids (each rank answers
+    at the end of its current step: keep it above your step time). Ranks that exited or fell
+    silent are not waited for; 0: the ranks are not asked."""
 
 
 class RaySettings(_Strict):
@@ -87,6 +91,25 @@ class Logs(_Strict):
     max_bytes_per_s: float = Field(16384.0, gt=0)
     """Per rank, at most this much output per second on the supervisor's stdout; the rest is
     counted there and stays in the rank's log."""
+
+
+class MetricsSettings(_Strict):
+    enabled: bool = True
+    """Serve Prometheus metrics at ``http://ADDRESS:PORT/metrics`` (needs the ``metrics`` extra:
+    ``pip install 'spikeguard[metrics]'``; without it the run goes on without metrics)."""
+    address: str = Field("127.0.0.1", min_length=1, max_length=255)
+    """Where to listen: localhost by default; ``0.0.0.0`` for a Prometheus on another host."""
+    port: int = Field(9477, ge=0, le=65535)
+    """The port (0: any free one; the URL is written to ``RUN_DIR/metrics.url``). A port in use
+    is said once and the run goes on without metrics."""
+    max_layers: int = Field(64, ge=0, le=4096)
+    """Per-layer series are exported for this many layer names (in the order first reported);
+    the signals of any further layer are folded into ``layer="_other"`` (the worst value), so a
+    model's size never multiplies the series. 0: no per-layer series."""
+    final_scrape_s: float = Field(30.0, ge=0)
+    """When the run ends, keep serving until Prometheus has scraped the final state once (the
+    alert rules tell a finished run from a dead supervisor by it), at most this long; not at all
+    when nothing ever scraped this supervisor."""
 
 
 class SlackJob(_Strict):
@@ -151,6 +174,8 @@ class JobSpec(_Strict):
     """Where the ranks' output goes."""
     notify: NotifyJob = NotifyJob()
     """On-call notification."""
+    metrics: MetricsSettings = MetricsSettings()
+    """The Prometheus endpoint."""
 
     @field_validator("env")
     @classmethod

@@ -11,13 +11,17 @@ Layout (``RUN_DIR``)::
     plans/genNNN.json    the resume plan of each relaunch
     logs/genNNN-rankR.log each rank's stdout/stderr
     checkpoints/         what the ranks save
+    incidents/<id>/batch_ids-<attempt>.json   the ranks' recent batch ids at an incident
+    metrics.url          where this run's /metrics is served
+    report.html          the post-mortem (``spikeguard report``; the demo writes it)
 
-The directory is private: ``RUN_DIR`` (and ``plans/``, ``logs/``) mode 0700, every file the
-supervisor writes there 0600, whatever the umask. Nothing is written through a symlink planted in
-it: a file rewritten whole (:func:`write_atomic`: status.json, FENCE, STOP, plans) is a
-``mkstemp`` file in the same directory renamed over the path, which replaces a link and leaves its
-target untouched; a file opened for appending (the journal, reports.jsonl, the lock) is opened
-with ``O_NOFOLLOW`` and a link there is refused (:class:`UnsafePath`, ``submit`` exits 2).
+The directory is private: ``RUN_DIR`` (and ``plans/``, ``logs/``, ``incidents/``) mode 0700,
+every file the supervisor writes there 0600, whatever the umask. Nothing is written through a
+symlink planted in it: a file rewritten whole (:func:`write_atomic`: status.json, FENCE, STOP,
+plans, batch ids, metrics.url, report.html) is a ``mkstemp`` file in the same directory renamed
+over the path, which replaces a link and leaves its target untouched; a file opened for appending
+(the journal, reports.jsonl, the lock) is opened with ``O_NOFOLLOW`` and a link there is refused
+(:class:`UnsafePath`, ``submit`` exits 2).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import signal
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from spikeguard.workers import contract
@@ -56,6 +58,68 @@ def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> l
         return notifiers
     notifiers.append(SlackNotifier(settings, run=run_id, journal=journal_fn))
     return notifiers
+
+
+def start_metrics(job: JobSpec, run_dir: Path) -> Any:
+    """The job's Prometheus exporter, serving; None (said in one line) when the job turns it off,
+    ``prometheus_client`` is not installed or the address cannot be bound: metrics never stop a
+    run. (A restarted run's journal is folded in with the other notifiers' ``restore``, so the
+    counters count the whole run.)"""
+    m = job.metrics
+    if not m.enabled:
+        return None
+    from .observe.exporter import MetricsExporter, missing
+
+    why = missing()
+    if why is not None:
+        print(f"spikeguard: no /metrics: {why}", flush=True)
+        return None
+    exporter = MetricsExporter(run=job.name, max_layers=m.max_layers)
+    try:
+        url = exporter.serve(m.address, m.port)
+    except OSError as e:
+        print(f"spikeguard: no /metrics: cannot listen on {m.address}:{m.port}: {e}", flush=True)
+        return None
+    rundir.write_atomic(run_dir / "metrics.url", url + "\n")
+    print(f"spikeguard: Prometheus metrics at {url}", flush=True)
+    return exporter
+
+
+def also_into(exporter: Any, record: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """``record`` (the journal's), folding each event it journals into ``exporter`` as well:
+    the Slack notifier journals from its own thread (``notify_undelivered``), past the
+    controller's notifiers."""
+
+    def journal(event: dict[str, Any]) -> dict[str, Any]:
+        rec = record(event)
+        exporter.handle(rec)
+        return rec
+
+    return journal
+
+
+def finish_metrics(exporter: Any, ctl: Any, timeout_s: float, *, interrupted: bool) -> None:
+    """Show the run's final state and stop serving. When the run ended, keep serving until
+    Prometheus scraped that state once (at most ``timeout_s``; not at all when nothing ever
+    scraped): the alert rules tell a finished run from a dead supervisor by it. Not after
+    Ctrl-C (a person is at the terminal) nor a preemption (the platform's grace period is
+    short, and a preempted run is not finished: its supervisor is meant to come back)."""
+    if ctl is not None:
+        exporter.tick(ctl)
+        if not interrupted and ctl.state.phase in rc.TERMINAL:
+            exporter.final_scrape(timeout_s)
+    exporter.close()  # (again among the notifiers: a no-op)
+
+
+def ticks(*hooks: Callable[[Any], None] | None) -> Callable[[Any], None]:
+    """One controller tick hook calling each of ``hooks`` (None ones skipped) in turn."""
+    live = [h for h in hooks if h is not None]
+
+    def tick(ctl: Any) -> None:
+        for hook in live:
+            hook(ctl)
+
+    return tick
 
 
 def finished_outcome(events: list[dict[str, Any]]) -> rc.State | None:
@@ -117,6 +181,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         print(f"spikeguard: {e}", flush=True)
         return ExitCode.BAD_INPUT
     t = job.timeouts
+    exporter = start_metrics(job, run_dir)
     started = init_ray(job)
     group = WorkerGroup(
         GroupSpec(
@@ -138,6 +203,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
     if job.sample_every:
         env[contract.ENV_SAMPLE_EVERY] = str(job.sample_every)
     ctl: Controller | None = None
+    interrupted = False
     old_term = signal.getsignal(signal.SIGTERM)
     try:  # the first launch places the gang (a placement failure is a launch failure, retried)
         ctl = Controller(
@@ -156,14 +222,22 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
             launch_retries=t.launch_retries,
             reap_interval_s=t.reap_interval_s,
             default_settings=rc.Settings.from_policy(policy.recovery),
-            on_tick=LiveView() if live else None,
             preempt_grace_s=t.preempt_grace_s,
             on_output=(
                 RankOutput(max_bytes_per_s=job.logs.max_bytes_per_s) if job.logs.to_driver else None
             ),
             standby=job.standby,
+            batch_ids_wait_s=t.batch_ids_s,
         )
-        notifiers = make_notifiers(job, policy, job.name, ctl.journal.record)
+        if exporter is not None:
+            exporter.clock = ctl.journal.mono  # heartbeat ages on the supervisor's clock
+        ctl.on_tick = ticks(LiveView() if live else None, exporter.tick if exporter else None)
+        journal_fn = ctl.journal.record
+        if exporter is not None:  # what the Slack thread journals (undelivered) is counted too
+            journal_fn = also_into(exporter, ctl.journal.record)
+        notifiers = make_notifiers(job, policy, job.name, journal_fn)
+        if exporter is not None:
+            notifiers.append(exporter)
         for n in notifiers if events else ():
             # the Slack threads of open incidents continue where the dead supervisor left them
             restore = getattr(n, "restore", None)
@@ -182,12 +256,15 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         )
         return ctl.run(resume_events=events or None)
     except KeyboardInterrupt:
+        interrupted = True
         if ctl is not None:
             rundir.write_atomic(ctl.stop_file, "interrupted (Ctrl-C)")
             ctl.step()
         return ExitCode.INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, old_term)
+        if exporter is not None:
+            finish_metrics(exporter, ctl, job.metrics.final_scrape_s, interrupted=interrupted)
         if ctl is not None:
             for n in ctl.notifiers:
                 close = getattr(n, "close", None)

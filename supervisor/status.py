@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from . import recovery as rc
-from .collector import Collector
+from .collector import Collector, rates
 from .events import TERMINAL_KINDS
 
 
@@ -60,7 +60,9 @@ def finished(events: list[dict[str, Any]]) -> str | None:
         return None
     if state.phase not in rc.TERMINAL:
         return None
-    last = next((e for e in reversed(events) if e.get("kind") in TERMINAL_KINDS), {})
+    last: dict[str, Any] = next(
+        (e for e in reversed(events) if e.get("kind") in TERMINAL_KINDS), {}
+    )
     return (
         f"{state.phase.value.lower()} (exit code {state.exit_code}) at "
         f"{last.get('time', '?')}: {last.get('reason', '')}"
@@ -72,20 +74,59 @@ def _finite(x: Any) -> Any:
 
 
 def live_status(state: rc.State, collector: Collector) -> dict[str, Any]:
-    """What ``status.json`` holds: :func:`run_view` and the current generation's ranks."""
+    """What ``status.json`` holds: :func:`run_view`, the current generation's ranks (each with
+    its heartbeat age and steps/s) and the run's ``throughput`` (:func:`throughput`), all
+    measured at the collector's latest time."""
     view = run_view(state)
     view["dropped"] = dict(collector.dropped)
     view["rank_dropped"] = collector.rank_dropped
-    view["ranks"] = {
-        r: {
+    now = collector.now
+    ranks: dict[int, dict[str, Any]] = {}
+    for r, v in collector.ranks.items():
+        steps_s, tokens_s = rates(v, now) if now is not None else (None, None)
+        ranks[r] = {
             "step": v.step,
             "loss": _finite(v.loss),
             "grade": v.summary.get("grade"),
             "attn_entropy_min": _finite(v.summary.get("attn_entropy_min")),
             "attn_entropy_min_norm": _finite(v.summary.get("attn_entropy_min_norm")),
             "exit_code": v.exit_code,
+            "heartbeat_age_s": (None if now is None else round(collector.heartbeat_age(v, now), 3)),
+            "steps_per_s": steps_s,
+            "tokens_per_s": tokens_s,
+            "total_steps": v.total_steps,
         }
-        for r, v in collector.ranks.items()
-    }
+    view["ranks"] = ranks
+    view["throughput"] = throughput(ranks.values())
     view["updated"] = time.time()  # wall clock: for humans only, never for a timeout
     return view
+
+
+def throughput(ranks: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The run's progress from its ranks' status entries: the slowest rank's step and steps/s
+    (data-parallel ranks move together, the slowest sets the pace), the tokens/s of all ranks
+    that report tokens, and the ETA when a rank said how many steps it trains."""
+    entries = [r for r in ranks if isinstance(r.get("step"), int)]
+    if not entries:
+        return {"min_step": None, "max_step": None, "steps_per_s": None, "tokens_per_s": None}
+    slowest = min(entries, key=lambda r: r["step"])
+    paces = [r["steps_per_s"] for r in entries if _number(r.get("steps_per_s"))]
+    tokens = [r["tokens_per_s"] for r in entries if _number(r.get("tokens_per_s"))]
+    totals = [r["total_steps"] for r in entries if isinstance(r.get("total_steps"), int)]
+    out: dict[str, Any] = {
+        "min_step": slowest["step"],
+        "max_step": max(r["step"] for r in entries),
+        "steps_per_s": min(paces) if paces else None,
+        "tokens_per_s": sum(tokens) if tokens else None,
+    }
+    if totals:
+        last = max(totals) - 1
+        out["last_step"] = last
+        pace = out["steps_per_s"]
+        if pace:
+            out["eta_s"] = max(0.0, (last - slowest["step"]) / pace)
+    return out
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -13,8 +13,8 @@ raises :class:`Rejected` with the reason the collector counts:
 ``out_of_range``  an integer the supervisor reads is beyond ``MAX_SAFE_INT``
 
 Non-finite metric values (a NaN or infinite ``loss``) are data, not errors: detecting them is
-what the non-finite rules are for. Fields the supervisor never reads (``extra``) are only checked
-for depth.
+what the non-finite rules are for. Fields the supervisor never reads (``extra``, the batch ids
+inside a ``batch_ids`` answer) are only checked for depth.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ METRICS = ("loss", "lr", "grad_norm")
 """The per-step metrics: a number (NaN and infinities included) or null."""
 
 _REQUIRED_INTS = ("rank", "gen", "step")
+COUNTS = ("tokens", "total_steps")
+"""Optional per-step counts of a heartbeat or report: an integer >= 0, or null."""
 
 
 class Rejected(ValueError):
@@ -75,6 +77,13 @@ def problem(msg: dict[str, Any]) -> str | None:
             return "wrong_type"
     if msg["type"] == "dropped" and not (msg.get("count") is None or _is_int(msg["count"])):
         return "wrong_type"
+    for key in COUNTS:
+        if not _count_or_null(msg.get(key)):
+            return "wrong_type"
+    if msg["type"] == "batch_ids":
+        why = _batch_ids_problem(msg)
+        if why is not None:
+            return why
     why = _summary_problem(msg)
     if why is None:
         why = _layers_problem(msg)
@@ -116,6 +125,25 @@ def _layers_problem(msg: dict[str, Any]) -> str | None:
     return None
 
 
+def _batch_ids_problem(msg: dict[str, Any]) -> str | None:
+    """A ``batch_ids`` answer: ``request`` an integer, ``window`` and ``truncated`` integers >= 0
+    or null, ``entries`` a list of [step, batch ids] pairs (the ids are the script's own JSON)."""
+    if not _is_int(msg.get("request")):
+        return "wrong_type"
+    for key in ("window", "truncated"):
+        if not _count_or_null(msg.get(key)):
+            return "wrong_type"
+    entries = msg.get("entries")
+    if not isinstance(entries, list):
+        return "wrong_type"
+    for entry in entries:
+        if not isinstance(entry, list) or len(entry) != 2 or not _is_int(entry[0]):
+            return "wrong_type"
+        if abs(entry[0]) > MAX_SAFE_INT:
+            return "out_of_range"
+    return _range_problem([msg["request"], msg.get("window"), msg.get("truncated")])
+
+
 def _range_problem(values: Any) -> str | None:
     """``out_of_range`` when one of ``values`` is an integer beyond ``MAX_SAFE_INT``."""
     for value in values:
@@ -126,6 +154,10 @@ def _range_problem(values: Any) -> str | None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count_or_null(value: Any) -> bool:
+    return value is None or (_is_int(value) and value >= 0)
 
 
 def _number_or_null(value: Any) -> bool:

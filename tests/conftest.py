@@ -74,7 +74,12 @@ def fail_at() -> Faults:
     return Faults()
 
 
-TEST_TIMEOUTS = {"restart_backoff_s": 0.2, "restart_backoff_max_s": 2.0, "reap_interval_s": 2.0}
+TEST_TIMEOUTS = {
+    "restart_backoff_s": 0.2,
+    "restart_backoff_max_s": 2.0,
+    "reap_interval_s": 2.0,
+    "batch_ids_s": 2.0,
+}
 
 
 def toy_job(
@@ -102,6 +107,7 @@ def toy_job(
         **TEST_TIMEOUTS,
         **(timeouts or {}),
     }
+    fields.setdefault("metrics", {"port": 0})  # any free port: runs never collide on one
     return JobSpec(
         name="toy",
         entrypoint=str(SCRIPTS / "toy_rank.py"),

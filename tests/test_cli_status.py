@@ -30,7 +30,7 @@ def test_status_adds_the_ranks_the_live_supervisor_last_wrote(tmp_path, capsys):
     assert main(["status", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     # the phase is the journal's (a stale status.json of a dead supervisor says RUNNING)
-    assert out.startswith("COMPLETED") and "r0: step 1599 S7 H_min/max 0.400 loss 1.500" in out
+    assert out.startswith("COMPLETED") and "r0    step 1599  S7  H_min/max 0.400  loss 1.500" in out
     assert "1 incident(s); last: completed" in out
 
 

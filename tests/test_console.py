@@ -61,8 +61,9 @@ def test_live_view_renders_what_status_json_holds():
     status = live_status(ctl.state, ctl.collector)
     assert out.getvalue() == render_status(status) + "\n"
     assert out.getvalue() == (
-        "PROBATION    gen 2  LR x0.5  probation until step 1400  |  "
-        "r0: step 1210 S5 H_min/max 0.312 loss nan\n"
+        "PROBATION    gen 2  LR x0.5  probation until step 1400\n"
+        "  1 rank · step 1210\n"
+        "    r0    step 1210  S5  H_min/max 0.312  loss nan\n"
     )
     assert render_status(json.loads(json.dumps(status))) == out.getvalue().rstrip("\n")
 

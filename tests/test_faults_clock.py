@@ -61,6 +61,9 @@ class FakeGroup:
         self.killed += 1
         return KillReport(duration_s=0.0)
 
+    def request(self, payload):
+        return 0  # these ranks only heartbeat: no rank can take a request (batch ids)
+
 
 def test_collector_hangs_depend_only_on_the_time_passed_in():
     c = Collector(world_size=1, hang_timeout_s=5, first_heartbeat_timeout_s=50)

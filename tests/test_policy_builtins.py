@@ -60,6 +60,7 @@ def test_recovery_defaults_are_the_supervisor_contract():
         "lr_factors": [0.5],
         "reset_optimizer": True,
         "skip_window": 0,
+        "skip_by": "steps",
         "probation_steps": 1000,
         "max_attempts": 3,
         "max_incidents": 10,

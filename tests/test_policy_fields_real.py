@@ -64,13 +64,16 @@ def settings_of(pol: Policy) -> rc.Settings:
     return rc.Settings.from_policy(d.recovery)
 
 
-def drive(s: rc.Settings, *, incidents: int = 1) -> list[rc.Transition]:
-    """An incident (or several, each passing probation) through the machine; its transitions."""
+def drive(
+    s: rc.Settings, *, incidents: int = 1, batch_ids: str | None = None
+) -> list[rc.Transition]:
+    """An incident (or several, each passing probation) through the machine; its transitions.
+    ``batch_ids``: the file the kill stored the ranks' batch ids in."""
     out, state = [], rc.step(rc.State(), rc.Launched(1)).state
     for i in range(incidents):
         for obs in (
             rc.Recover("nan", "x", 1000 * (i + 1), s),
-            rc.Killed((0,), 0.1),
+            rc.Killed((0,), 0.1, batch_ids=batch_ids),
             rc.CheckpointChosen("/c.pt", step=1000 * (i + 1) - 50, grade=6),
             rc.Launched(i + 2),
             rc.Progress(10**6),
@@ -119,6 +122,15 @@ def check_skip_window(per_rule: bool) -> None:
     assert drive(s)[2].effects[0].plan.skip_ranges == ((981, 1000),)
 
 
+def check_skip_by(per_rule: bool) -> None:
+    s = settings_of(recovery_yaml("skip_by", "batch_ids, skip_window: 20", per_rule=per_rule))
+    plan = drive(s, batch_ids="/run/incidents/inc-001/batch_ids-1.json")[2].effects[0].plan
+    assert plan.skip_ranges == () and plan.skip_batches_steps == (981, 1000)
+    assert plan.skip_batches == "/run/incidents/inc-001/batch_ids-1.json"
+    # no rank answered: the window's steps are skipped instead
+    assert drive(s)[2].effects[0].plan.skip_ranges == ((981, 1000),)
+
+
 def check_probation_steps(per_rule: bool) -> None:
     s = settings_of(recovery_yaml("probation_steps", "77", per_rule=per_rule))
     assert drive(s)[3].state.probation_until == 951 + 77
@@ -153,6 +165,7 @@ RECOVERY = {
     "lr_factors": check_lr_factors,
     "reset_optimizer": check_reset_optimizer,
     "skip_window": check_skip_window,
+    "skip_by": check_skip_by,
     "probation_steps": check_probation_steps,
     "max_attempts": check_max_attempts,
     "max_incidents": check_max_incidents,

@@ -145,16 +145,16 @@ def test_submit_refuses_a_run_directory_with_a_planted_symlink(tmp_path, elsewhe
     assert elsewhere.read_text() == "precious"
 
 
-def test_the_demo_picture_is_private_and_replaces_a_planted_link(tmp_path, elsewhere):
-    from spikeguard.supervisor.observe.plots import plot_run
+def test_the_report_is_private_and_replaces_a_planted_link(tmp_path, elsewhere):
+    from spikeguard.supervisor.observe.report import write_report
 
     run, demo = tmp_path / "run", Path(__file__).parent / "data" / "demo_run"
     run.mkdir()
     shutil.copy(demo / "journal.jsonl", run / "journal.jsonl")
     with gzip.open(demo / "reports.jsonl.gz", "rb") as f:
         (run / "reports.jsonl").write_bytes(f.read())
-    plant(run / "report.png", elsewhere)
-    png = plot_run(run)
+    plant(run / "report.html", elsewhere)
+    page = write_report(run, run / "report.html")
     assert elsewhere.read_text() == "precious"
-    assert png == run / "report.png" and mode(png) == 0o600
-    assert png.read_bytes().startswith(b"\x89PNG")
+    assert page == run / "report.html" and mode(page) == 0o600
+    assert page.read_text().startswith("<!DOCTYPE html>")

@@ -370,3 +370,30 @@ def test_an_incident_id_reused_after_its_conclusion_opens_a_new_thread(fake):
     assert restored.flush(30)
     restored.close(5)
     assert "Run stopped" in fake.replies(second["ts"])[-1]["text"]
+
+
+def test_batch_forensics_are_a_reply_in_the_incident_thread_with_count_and_path(fake, tmp_path):
+    from spikeguard.supervisor import forensics
+
+    answers = forensics.Answers(incident="inc-001", attempt=1, generation=1, asked=[0, 1, 2, 3])
+    for rank in (0, 1, 3):  # rank 2 hung: it cannot answer
+        entries = [[s, [s * 4 + rank]] for s in range(1031, 1231)]
+        answers.add({"rank": rank, "step": 1230, "window": 200, "entries": entries})
+    path = forensics.batch_ids_path(tmp_path, "inc-001", 1)
+    event = forensics.event(answers.document(incident_step=1230, waited_s=1.2), path)
+    events = incident_events()
+    kill = next(i for i, e in enumerate(events) if e["kind"] == "kill")
+    events.insert(kill, {**events[kill], "seq": 99, **event})  # asked right before the kill
+    journal: list[dict] = []
+    n = notifier(fake, journal)
+    for ev in events:
+        n.handle(ev)
+    assert n.flush(30)
+    n.close(5)
+    (root,) = fake.roots()
+    replies = fake.replies(root["ts"])
+    texts = [r["text"] for r in replies]
+    assert "Batch forensics" in texts[0] and "Killed" in texts[1]
+    reply = all_text(replies[0]["blocks"])
+    assert "600 batch ids of steps 1,031–1,230 from ranks 0–1, 3 (3 of 4)" in reply
+    assert str(path) in reply

@@ -36,6 +36,7 @@ def test_collapse_is_recovered_from_the_chosen_checkpoint_with_cut_lr_and_fresh_
     assert kinds == [
         "launch",
         "incident",
+        "forensics",  # the ranks' batch ids, asked for before the kill
         "kill",
         "rollback",
         "lr_cut",
@@ -52,7 +53,7 @@ def test_collapse_is_recovered_from_the_chosen_checkpoint_with_cut_lr_and_fresh_
     assert [e["step"] for e in progress] == sorted(e["step"] for e in progress)
     inc = evs[1]
     assert inc["rule"] == "loss-spike" and 60 <= inc["step"] <= 64
-    rb = evs[3]
+    rb = evs[4]
     assert rb["checkpoint_step"] < inc["step"] and rb["grade"] >= 4
     # the chosen checkpoint really is the newest healthy one before the incident
     from spikeguard.workers.checkpoint import list_checkpoints
@@ -113,4 +114,4 @@ def test_no_healthy_checkpoint_escalates_and_stops(ray_local, tmp_path, fail_at)
     job = toy_job(tmp_path, policy=POLICY, faults=fail_at, steps=60)
     assert run(job) == 3
     kinds = [e["kind"] for e in story(Path(job.run_dir))]
-    assert kinds == ["launch", "incident", "kill", "rollback", "escalated"]
+    assert kinds == ["launch", "incident", "forensics", "kill", "rollback", "escalated"]

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
+from . import batches, contract
 from . import checkpoint as ckpt
-from . import contract
 from .channel import open_channel
 from .contract.signals import summarize
 from .probes import Probes
@@ -100,7 +100,14 @@ class Session:
         """Ids of the supervisor's checkpoint requests not yet seen by should_checkpoint."""
         self._answering: list[int] = []
         """Ids should_checkpoint said yes to: the next save_checkpoint answers them."""
-        self._seen_requests: set[int] = set()
+        self._seen_requests: set[tuple[str, int]] = set()
+        """(type, id) of every request taken (ids are numbered per request type)."""
+        self._batch_requests: list[int] = []
+        """Ids of ``batch_ids`` requests not answered yet (answered at the end of a step)."""
+        self._skip_keys: set[str] | None = None
+        """The batches the plan skips by id (loaded on first use); None: not loaded yet."""
+        self._skip_by_steps = False
+        """The plan's batch-ids file could not be read: its step window is skipped instead."""
         self._send(
             "hello",
             world_size=self.world_size,
@@ -149,12 +156,18 @@ class Session:
         lr: float | None = None,
         batch_ids: Any = None,
         extra: dict[str, Any] | None = None,
+        tokens: int | None = None,
+        total_steps: int | None = None,
     ) -> None:
         """Record one finished training step: a heartbeat, and a full report on sampled steps.
 
         Never blocks on I/O. ``loss``/``grad_norm`` may be floats or scalar tensors
         (a tensor costs a device sync; pass floats if you already have them).
+        ``batch_ids``: what identifies this step's batch (sample indices, a shard and offset...):
+        kept in a ring buffer, sent only when the supervisor asks at an incident.
         ``extra``: more JSON-able metrics, sent in the message under ``extra``.
+        ``tokens``: the tokens this rank processed in this step (the live view's tokens/s).
+        ``total_steps``: how many steps the script trains (the live view's ETA).
         """
         self._await_release()
         self._take_requests()
@@ -165,6 +178,10 @@ class Session:
         if batch_ids is not None:
             self.batch_ids.append((s, batch_ids))
         fields: dict[str, Any] = {"loss": loss_f, "lr": eff_lr, "grad_norm": gn_f}
+        if tokens is not None:
+            fields["tokens"] = int(tokens)
+        if total_steps is not None:
+            fields["total_steps"] = int(total_steps)
         if extra is not None:
             fields["extra"] = extra
         if self.probes.armed_step == s:
@@ -180,6 +197,7 @@ class Session:
             self._send("heartbeat", step=s, **fields)
         self._step = s + 1
         self._arm(self._step)
+        self._answer_batch_requests()
 
     def _await_release(self) -> None:
         """In a standby process, wait here until the supervisor releases it (see
@@ -200,12 +218,34 @@ class Session:
     def _take_requests(self) -> None:
         """Move the supervisor's new requests off the channel (a queue check; never blocks)."""
         for req in self.channel.poll_requests():
-            rid = req.get("id")
-            if not isinstance(rid, int) or isinstance(rid, bool) or rid in self._seen_requests:
+            rid, kind = req.get("id"), req.get("type")
+            if not isinstance(rid, int) or isinstance(rid, bool) or not isinstance(kind, str):
                 continue
-            self._seen_requests.add(rid)
-            if req.get("type") == "checkpoint":
+            if (kind, rid) in self._seen_requests:
+                continue
+            self._seen_requests.add((kind, rid))
+            if kind == "checkpoint":
                 self._checkpoint_requests.append(rid)
+            elif kind == "batch_ids":
+                self._batch_requests.append(rid)
+
+    def _answer_batch_requests(self) -> None:
+        """Send the ring buffer of batch ids for each pending ``batch_ids`` request (an incident:
+        the supervisor stores it for forensics and for skipping those batches)."""
+        self._take_requests()
+        if not self._batch_requests:
+            return
+        entries, truncated = batches.answer_entries(self.batch_ids)
+        for rid in self._batch_requests:
+            self._send(
+                "batch_ids",
+                step=self._step - 1,
+                request=rid,
+                window=self.batch_ids.maxlen,
+                entries=entries,
+                truncated=truncated,
+            )
+        self._batch_requests = []
 
     def should_checkpoint(self, step: int | None = None, *, every: int | None = None) -> bool:
         """True when a checkpoint is due at ``step``: every ``every`` steps (from step ``every``
@@ -219,7 +259,7 @@ class Session:
         The next :meth:`save_checkpoint` answers the pending requests. Never blocks.
         """
         self._await_release()
-        self._take_requests()
+        self._answer_batch_requests()  # takes the new requests too
         if self._checkpoint_requests:
             self._answering += self._checkpoint_requests
             self._checkpoint_requests = []
@@ -227,18 +267,45 @@ class Session:
         s = self._step - 1 if step is None else int(step)
         return bool(every) and s > 0 and s % int(every) == 0
 
-    def should_skip(self, step: int) -> bool:
-        """True when the supervisor asked to skip this step's batch (incident data window)."""
+    def should_skip(self, step: int, batch_ids: Any = None) -> bool:
+        """True when the supervisor asked to skip this batch (an incident's data).
+
+        By step (``recovery.skip_by: steps``): the steps of the plan's ``skip_ranges``. By batch
+        (``skip_by: batch_ids``): a batch whose ``batch_ids`` equal those a rank recorded for a
+        step of the incident's window, wherever it comes up again (pass the ids you will pass
+        to :meth:`step`); without ``batch_ids``, or when the supervisor's batch-ids file cannot
+        be read, the window's steps are skipped instead.
+        """
         self._await_release()
-        if self.plan is None:
+        plan = self.plan
+        if plan is None:
             return False
-        for a, b in self.plan.skip_ranges:
-            if a <= step <= b:
-                self._send("skipped", step=step)
-                self._step = step + 1
-                self._arm(self._step)
-                return True
-        return False
+        by = "steps" if any(a <= step <= b for a, b in plan.skip_ranges) else None
+        window = plan.skip_batches_steps
+        if by is None and window is not None:
+            keys = None if batch_ids is None else self._skip_set(plan.skip_batches, window)
+            if keys is None:
+                by = "steps" if window[0] <= step <= window[1] else None
+            elif batches.batch_key(batch_ids) in keys:
+                by = "batch_ids"
+        if by is None:
+            return False
+        self._send("skipped", step=step, by=by)
+        self._step = step + 1
+        self._arm(self._step)
+        return True
+
+    def _skip_set(self, path: str | None, window: tuple[int, int]) -> set[str] | None:
+        """The batches the plan skips by id, loaded once; None when they cannot be known."""
+        if self._skip_keys is None and not self._skip_by_steps:
+            try:
+                if path is None:
+                    raise ValueError("the plan names no batch-ids file")
+                self._skip_keys = batches.load_skip_set(path, window)
+            except ValueError as e:
+                self._skip_by_steps = True
+                print(f"spikeguard: {e}; skipping steps {window[0]}..{window[1]} instead")
+        return self._skip_keys
 
     def recent_batch_ids(self) -> list[tuple[int, Any]]:
         """The last ~200 steps' ``batch_ids`` (oldest first), for incident forensics."""

@@ -8,6 +8,7 @@ terminal or a log collector); :class:`LiveView` and ``spikeguard status`` print
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -20,7 +21,7 @@ from spikeguard.workers.contract.signals import grade_text
 from ..events import STORY_KINDS
 from ..secrets import held_secrets
 from ..status import live_status
-from .describe import describe
+from .describe import describe, duration_text
 
 
 class ConsoleNotifier:
@@ -68,18 +69,122 @@ class LiveView:
         print(render_status(live_status(ctl.state, ctl.collector)), file=self.out, flush=True)
 
 
-def render_status(s: dict[str, Any]) -> str:
-    """The live view / ``spikeguard status`` text for a status dict."""
+WORST_K = 5
+"""How many ranks the live view lists when there are more (the worst ones)."""
+
+
+def render_status(s: dict[str, Any], *, worst: int = WORST_K) -> str:
+    """The live view / ``spikeguard status`` text for a status dict: the run's state, its
+    progress (the slowest rank's step, steps/s, tokens/s, ETA), then every rank when there are
+    at most ``worst`` of them, else the ``worst`` worst (:func:`badness`) — a few lines whatever
+    the world size."""
     head = f"{s['phase']:<12} gen {s['generation']}  LR x{s['lr_scale']:.3g}"
     if s.get("probation_until"):
         head += f"  probation until step {s['probation_until']}"
-    parts = []
-    for r, v in sorted(s.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
-        grade, loss = grade_text(v.get("grade")), v.get("loss")
+    ranks = sorted(s.get("ranks", {}).items(), key=lambda kv: int(kv[0]))
+    if not ranks:
+        return head
+    lines = [head, "  " + _progress(s.get("throughput") or {}, ranks)]
+    silent = _silent(ranks)
+    if silent:
+        lines.append("  " + silent)
+    shown = ranks
+    if len(ranks) > worst:
+        shown = sorted(ranks, key=lambda kv: badness(int(kv[0]), kv[1]))[:worst]
+        lines.append(f"  worst {worst} of {len(ranks)} ranks (grade, H_min/max, heartbeat):")
+    for r, v in shown:
+        lines.append("    " + _rank_line(int(r), v))
+    return "\n".join(lines)
+
+
+def badness(rank: int, v: dict[str, Any]) -> tuple[Any, ...]:
+    """Sort key, worst rank first: a crashed rank, a non-finite loss, the lowest grade, the
+    lowest normalised min-head entropy, the oldest heartbeat, then the rank number."""
+    code = v.get("exit_code")
+    loss = v.get("loss")
+    grade = v.get("grade")
+    ent = v.get("attn_entropy_min_norm")
+    age = v.get("heartbeat_age_s")
+    return (
+        0 if isinstance(code, int) and code != 0 else 1,
+        0 if loss is not None and not _finite_number(loss) else 1,
+        grade if _finite_number(grade) else 8,
+        ent if _finite_number(ent) else 2.0,
+        -age if _finite_number(age) else 0.0,
+        rank,
+    )
+
+
+def _progress(t: dict[str, Any], ranks: list[tuple[Any, dict[str, Any]]]) -> str:
+    parts = [f"{len(ranks)} rank{'s' if len(ranks) != 1 else ''}"]
+    lo, hi = t.get("min_step"), t.get("max_step")
+    if lo is not None:
+        steps = f"step {lo}" if lo == hi else f"steps {lo}..{hi}"
+        if len(ranks) > 1 and lo != hi:
+            slowest = min(
+                (kv for kv in ranks if isinstance(kv[1].get("step"), int)),
+                key=lambda kv: (kv[1]["step"], int(kv[0])),
+            )
+            steps += f" (slowest r{slowest[0]})"
+        parts.append(steps)
+    if _finite_number(t.get("steps_per_s")):
+        parts.append(f"{t['steps_per_s']:.3g} steps/s")
+    if _finite_number(t.get("tokens_per_s")):
+        parts.append(f"{_si(t['tokens_per_s'])} tokens/s")
+    if _finite_number(t.get("eta_s")):
+        parts.append(f"ETA {duration_text(t['eta_s'])} to step {t.get('last_step')}")
+    return " · ".join(parts)
+
+
+SILENT_S = 5.0
+"""A running rank whose last message is older than this is named on its own line."""
+
+
+def _silent(ranks: list[tuple[Any, dict[str, Any]]]) -> str:
+    """``silent: r50 12 s, r7 6 s`` for the running ranks quiet longer than :data:`SILENT_S`
+    (the three quietest), whatever their grades; ``""`` for none."""
+    quiet = [
+        (v["heartbeat_age_s"], int(r))
+        for r, v in ranks
+        if v.get("exit_code") is None
+        and v.get("step") is not None
+        and _finite_number(v.get("heartbeat_age_s"))
+        and v["heartbeat_age_s"] >= SILENT_S
+    ]
+    if not quiet:
+        return ""
+    quiet.sort(reverse=True)
+    named = ", ".join(f"r{r} {age:.0f} s" for age, r in quiet[:3])
+    more = f" and {len(quiet) - 3} more" if len(quiet) > 3 else ""
+    return f"silent: {named}{more}"
+
+
+def _rank_line(r: int, v: dict[str, Any]) -> str:
+    if v.get("step") is None and v.get("exit_code") is None:
+        age = v.get("heartbeat_age_s")
+        since = f" ({age:.1f} s since its launch)" if _finite_number(age) else ""
+        return f"r{r:<4} no message yet{since}"
+    line = (
+        f"r{r:<4} step {v.get('step')}  {grade_text(v.get('grade'))}  "
         # the normalised entropy (0..1): what the policies compare, not nats
-        ent = v.get("attn_entropy_min_norm")
-        parts.append(f"r{r}: step {v.get('step')} {grade} H_min/max {_f(ent)} loss {_f(loss)}")
-    return head + ("  |  " + "  |  ".join(parts) if parts else "")
+        f"H_min/max {_f(v.get('attn_entropy_min_norm'))}  loss {_f(v.get('loss'))}"
+    )
+    if v.get("exit_code") is not None:
+        line += f"  exited {v['exit_code']}"
+    elif _finite_number(v.get("heartbeat_age_s")):
+        line += f"  heartbeat {v['heartbeat_age_s']:.1f} s ago"
+    return line
+
+
+def _finite_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _si(x: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= size:
+            return f"{x / size:.3g}{unit}"
+    return f"{x:.3g}"
 
 
 def _f(x: Any) -> str:

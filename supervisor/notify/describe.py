@@ -45,6 +45,18 @@ def num(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def duration_text(seconds: float) -> str:
+    """``252`` -> ``4 min 12 s``."""
+    s = max(0, round(seconds))
+    return (
+        f"{s} s"
+        if s < 60
+        else f"{s // 60} min {s % 60} s"
+        if s < 3600
+        else f"{s // 3600} h {s % 3600 // 60} min"
+    )
+
+
 def ranks_text(ranks: Any) -> str:
     """``[0, 1, 2, 3, 5]`` -> ``0–3, 5``; anything that is not a list of ranks as it is."""
     try:
@@ -213,6 +225,10 @@ def _rollback(f: _Fields) -> str:
     for r in _items(f.get("skip_ranges"))[:3]:
         if isinstance(r, (list, tuple)) and len(r) == 2:
             tail += f"; data of steps {f.esc(num(r[0]))}–{f.esc(num(r[1]))} will be skipped"
+    window = _items(f.get("skip_batches_steps"))
+    if len(window) == 2:
+        a, b = f.esc(num(window[0])), f.esc(num(window[1]))
+        tail += f"; the batches of steps {a}–{b} will be skipped by their ids"
     if not chosen:
         return f.because(f.bold("No checkpoint to roll back to")) + tail
     grade = f.esc(grade_text(f.get("grade")))
@@ -266,6 +282,21 @@ def _launch_failed(f: _Fields) -> str:
     return f.because(f.bold(f"Launch of generation {f.text('generation')} failed"))
 
 
+def _forensics(f: _Fields) -> str:
+    head = f.bold("Batch forensics")
+    asked = len(_items(f.get("ranks_asked")))
+    answered = _items(f.get("ranks_answered"))
+    if not answered or f.get("path") is None:
+        return f"{head}: no rank answered within {f.num('waited_s', 2)} s (of {asked} asked)"
+    steps = _items(f.get("steps"))
+    window = f" of steps {f.esc(num(steps[0]))}–{f.esc(num(steps[1]))}" if len(steps) == 2 else ""
+    ranks = f.esc(ranks_text(answered))
+    return (
+        f"{head}: {f.num('batches')} batch ids{window} from ranks {ranks} "
+        f"({len(answered)} of {asked}) → {f.code(f.text('path'))}"
+    )
+
+
 def _headline(words: str) -> Callable[[_Fields], str]:
     """A kind whose line is a headline and the event's reason (``Run stopped: by user``)."""
     return lambda f: f.because(f.bold(words))
@@ -300,6 +331,7 @@ TEMPLATES: dict[Kind, Callable[[_Fields], str]] = {
     Kind.LAUNCH_FAILED: _launch_failed,
     Kind.RESUME: _headline("Supervisor restarted"),
     Kind.ALERT: _alert,
+    Kind.FORENSICS: _forensics,
     Kind.SUPERVISOR_START: _headline("Supervisor started"),
     Kind.REAPED: _headline("Killed leftover rank processes"),
     Kind.STANDBY: _standby,

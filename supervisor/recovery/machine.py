@@ -237,9 +237,11 @@ def _incident_event(inc: Incident, obs: Recover, attempt: int | None) -> Event:
 
 def _kill_for(state: State, inc: Incident, obs: Recover, events: list[Event]) -> Transition:
     """Journal the incident (attempt ``inc.attempts + 1``) and ask for every rank to be killed."""
-    events.append(_incident_event(inc, obs, attempt=inc.attempts + 1))
+    attempt = inc.attempts + 1
+    events.append(_incident_event(inc, obs, attempt=attempt))
     st = _replace(state, phase=Phase.KILLING, incident=inc)
-    return Transition(st, (Kill(f"incident {inc.id}: {obs.rule}"),), tuple(events))
+    kill = Kill(f"incident {inc.id}: {obs.rule}", batch_ids_for=(inc.id, attempt))
+    return Transition(st, (kill,), tuple(events))
 
 
 # ---- 2. KILLING: every rank is dead --------------------------------------------------------------
@@ -263,9 +265,9 @@ def step2_killed(state: State, obs: Killed) -> Transition:
         forced=list(obs.forced),
         unreachable=list(obs.unreachable),
     )
-    return Transition(
-        _replace(state, phase=Phase.ROLLING_BACK), (_rollback_select(state, inc),), (event,)
-    )
+    inc = _replace(inc, batch_ids=obs.batch_ids)
+    st = _replace(state, phase=Phase.ROLLING_BACK, incident=inc)
+    return Transition(st, (_rollback_select(state, inc),), (event,))
 
 
 def _rollback_select(state: State, inc: Incident) -> SelectCheckpoint:
@@ -293,10 +295,7 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
     s = inc.settings
     factor = lr_factor(s, inc.attempts)
     scale = state.lr_scale * factor
-    skip: tuple[tuple[int, int], ...] = ()
-    if s.skip_window > 0:
-        first = 0 if obs.step is None else obs.step + 1  # never the checkpoint's own data
-        skip = ((max(inc.step - s.skip_window + 1, first), inc.step),)
+    skip, by_ids = _skip_window(inc, obs.step)
     plan = ResumePlan(
         checkpoint=obs.path,
         checkpoint_step=obs.step,
@@ -304,6 +303,8 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
         lr_scale=scale,
         reset_optimizer=s.reset_optimizer,
         skip_ranges=skip,
+        skip_batches=inc.batch_ids if by_ids else None,
+        skip_batches_steps=by_ids,
         generation=next_generation(state),
     )
     inc = _replace(inc, attempts=inc.attempts + 1)
@@ -334,6 +335,7 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
             grade=obs.grade,
             skipped=skipped,
             skip_ranges=[list(r) for r in skip],
+            **_skip_batches_fields(plan),
             attempt=inc.attempts,
             plan=plan.to_dict(),
         ),
@@ -368,6 +370,31 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
     # a crash loop waits longer each time; a numerical incident relaunches at once
     backoff = inc.attempts if inc.fault else 0
     return Transition(st, (Launch(plan, backoff_attempt=backoff),), tuple(events))
+
+
+def _skip_window(
+    inc: Incident, checkpoint_step: int | None
+) -> tuple[tuple[tuple[int, int], ...], tuple[int, int] | None]:
+    """What the relaunch skips of the incident's window (``skip_window`` steps up to it): a step
+    range after the checkpoint, or (``skip_by: batch_ids``, with the ranks' batch ids on file)
+    the window whose recorded batches are skipped by id wherever they come again."""
+    s = inc.settings
+    if s.skip_window <= 0:
+        return (), None
+    if s.skip_by == "batch_ids" and inc.batch_ids is not None:
+        return (), (max(inc.step - s.skip_window + 1, 0), inc.step)
+    first = 0 if checkpoint_step is None else checkpoint_step + 1  # never the checkpoint's data
+    return ((max(inc.step - s.skip_window + 1, first), inc.step),), None
+
+
+def _skip_batches_fields(plan: ResumePlan) -> dict[str, Any]:
+    """The rollback event's account of batches skipped by id (nothing when none are)."""
+    if plan.skip_batches_steps is None:
+        return {}
+    return {
+        "skip_batches": plan.skip_batches,
+        "skip_batches_steps": list(plan.skip_batches_steps),
+    }
 
 
 def _no_checkpoint(state: State, inc: Incident, obs: CheckpointChosen) -> Transition:
@@ -884,7 +911,11 @@ def resume(state: State, obs: CheckpointChosen) -> Transition:
             st = _replace(state, phase=Phase.ESCALATED, exit_code=ExitCode.ESCALATED)
             return Transition(st, (Shutdown(ExitCode.ESCALATED),), events)
         plan = ResumePlan(
-            lr_scale=state.lr_scale, skip_ranges=old.skip_ranges if old else (), generation=gen
+            lr_scale=state.lr_scale,
+            skip_ranges=old.skip_ranges if old else (),
+            skip_batches=old.skip_batches if old else None,
+            skip_batches_steps=old.skip_batches_steps if old else None,
+            generation=gen,
         )
         code = Reason.RESUME_FROM_START
         why = (
@@ -900,6 +931,8 @@ def resume(state: State, obs: CheckpointChosen) -> Transition:
             lr_scale=state.lr_scale,
             reset_optimizer=reset,
             skip_ranges=skips,
+            skip_batches=old.skip_batches if old else None,  # by id: wherever they come again
+            skip_batches_steps=old.skip_batches_steps if old else None,
             generation=gen,
         )
         code = Reason.RESUME_FROM_CHECKPOINT

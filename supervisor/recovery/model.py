@@ -92,6 +92,10 @@ class Settings:
     """Start the optimizer fresh after a rollback."""
     skip_window: int = 0
     """Skip the batches of this many steps up to the incident (0: none)."""
+    skip_by: Literal["steps", "batch_ids"] = "steps"
+    """How the window is skipped: its steps (the data order repeats), or the batches the ranks
+    recorded for those steps, by their ids, wherever they come up again (falls back to the
+    steps when no rank answered the incident's batch-ids request)."""
     probation_steps: int = 1000
     """Steps after the resume that must pass without another recover decision."""
     max_attempts: int = 3
@@ -148,6 +152,9 @@ class Incident:
     job's start when there is none, and waits a backoff before each relaunch."""
     furthest_step: int | None = None
     """The furthest step any rank had reported when the incident (or attempt) opened."""
+    batch_ids: str | None = None
+    """The file holding the ranks' recent batch ids, asked for at this attempt's kill (None: no
+    rank answered)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -331,6 +338,9 @@ class Killed:
     """Ranks that ignored SIGTERM for the whole grace period and were SIGKILLed."""
     unreachable: tuple[int, ...] = ()
     """Ranks whose agent could not be reached (node lost or frozen): fenced, reaped by pid."""
+    batch_ids: str | None = None
+    """Where the ranks' recent batch ids were stored before the kill (asked for by
+    :attr:`Kill.batch_ids_for`); None when not asked, or when no rank answered in time."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,6 +421,10 @@ class Kill:
     """Fence the generation and kill every rank; answer with :class:`Killed`."""
 
     reason: str
+    batch_ids_for: tuple[str, int] | None = None
+    """(incident id, attempt): first ask the ranks for their recent batch ids and wait a short,
+    bounded time for them (the incident's forensics, and what a relaunch may skip); None: kill
+    at once (a stop, a failure, an escalation: the journal then ends with that event)."""
 
 
 @dataclasses.dataclass(frozen=True)

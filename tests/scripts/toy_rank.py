@@ -31,6 +31,10 @@ the step this generation started at. Modes:
 ``step S loss L`` every N steps on stdout (for the driver-log tests). ``--hold-at S --hold-file
 F``: in generation 1, every rank waits before step S until file F exists (a test decides when
 the run goes on).
+``--env-out DIR`` writes the environment the rank started with to ``DIR/rank{RANK}.json``.
+``--data-shift N``: from generation 2 on, step S trains on the batch of step S - N (its
+``batch_ids`` are ``[S - N, RANK]``): the data order after a rollback is not the one before.
+Every step reports ``tokens`` (4 x 16) and ``total_steps``.
 """
 
 from __future__ import annotations
@@ -190,6 +194,7 @@ def main() -> int:
     p.add_argument("--print-every", type=int, default=0)
     p.add_argument("--hold-at", type=int, default=-1)
     p.add_argument("--hold-file", default="")
+    p.add_argument("--data-shift", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -214,8 +219,10 @@ def main() -> int:
     start = sg.resume(model, opt)
     plan, _, solo_from = faults(rank, gen, start)
     collapsing = nan = slow = False
+    shift = args.data_shift if gen >= 2 else 0
     for step in range(start, args.steps):
-        if sg.should_skip(step):
+        data_step = step - shift
+        if sg.should_skip(step, batch_ids=[data_step, rank]):
             continue
         if args.hold_file and gen == 1 and step == args.hold_at:
             while not os.path.exists(args.hold_file):
@@ -243,7 +250,7 @@ def main() -> int:
                 for b in model.blocks:
                     b.attn.q_proj.weight.mul_(1.5)
                     b.attn.k_proj.weight.mul_(1.5)
-        g = torch.Generator().manual_seed(step * 1000 + rank)
+        g = torch.Generator().manual_seed(data_step * 1000 + rank)
         x = torch.randint(0, 64, (4, 16), generator=g)
         _, loss = model(x, torch.roll(x, -1, dims=1))
         loss.backward()
@@ -266,8 +273,10 @@ def main() -> int:
             loss=rep_loss,
             grad_norm=gn,
             lr=args.lr,
-            batch_ids=[step, rank],
+            batch_ids=[data_step, rank],
             extra={"adam_steps": adam_steps, "gen": gen},
+            tokens=x.numel(),
+            total_steps=args.steps,
         )
         if args.print_every and step % args.print_every == 0:
             print(f"step {step} loss {rep_loss:.4f}", flush=True)

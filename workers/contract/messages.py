@@ -6,7 +6,10 @@ everything with its own monotonic clock). Non-finite floats are written as JSON
 ``NaN``/``Infinity`` (Python's ``json`` reads them back).
 
 ``hello``       first message after attach: ``world_size``, ``pid``, ``host``, ``sample_every``.
-``heartbeat``   every step: ``loss``, ``lr``, ``grad_norm`` (each may be null).
+``heartbeat``   every step: ``loss``, ``lr``, ``grad_norm`` (each may be null); optionally
+                ``tokens``, the tokens this rank processed in this step (an integer >= 0, for
+                tokens/s), and ``total_steps``, the number of steps the script trains (the
+                last step is ``total_steps - 1``; for the ETA).
 ``report``      on sampled steps: the heartbeat fields plus ``layers`` {layer name: {signal:
                 value}} with the per-layer signals of :mod:`.signals`, and ``summary`` {signal:
                 value} aggregated over layers (:func:`.signals.summarize`) plus ``worst_layer``.
@@ -18,6 +21,11 @@ everything with its own monotonic clock). Non-finite floats are written as JSON
 ``dropped``     how many messages the channel dropped on back-pressure so far (sent with the next
                 message that gets through).
 ``done``        the training loop finished normally (``Session.close``).
+``batch_ids``   the answer to a ``batch_ids`` request: ``request`` (its id), ``window`` (how
+                many steps the rank keeps), ``entries`` [[step, batch ids], ...] oldest first
+                (the ``batch_ids`` the script passed to ``step()``, as JSON), and ``truncated``,
+                how many older entries were left out to keep the line under
+                :data:`MAX_LINE_BYTES`.
 
 The supervisor adds two messages of its own for the policy engine (never sent by a rank):
 
@@ -26,6 +34,15 @@ The supervisor adds two messages of its own for the policy engine (never sent by
                 then died in teardown (counted as finished).
 ``hang``        no message for longer than the timeout: ``age_s``; ``first`` when the rank never
                 sent a message since its launch.
+
+Requests travel the other way, supervisor -> rank, one JSON object a line on the rank's report
+socket (:data:`REQUEST_TYPES`), each with ``type`` and an ``id`` unique per type for the rank's
+process; the SDK reads them inside ``step()`` (never blocking):
+
+``checkpoint``  save a checkpoint at the next step boundary (``reason``); the ``checkpoint``
+                message that follows lists the id in ``requests``.
+``batch_ids``   send the ring buffer of recent batch ids now: answered by a ``batch_ids``
+                message at the end of the current (or next) ``step()``.
 """
 
 from __future__ import annotations
@@ -43,8 +60,12 @@ MESSAGE_TYPES = (
     "skipped",
     "dropped",
     "done",
+    "batch_ids",
 )
 """What a rank sends."""
+
+REQUEST_TYPES = ("checkpoint", "batch_ids")
+"""What the supervisor asks a rank for."""
 
 SUPERVISOR_MESSAGE_TYPES = ("exit", "hang")
 """What the supervisor synthesises for the policy engine."""

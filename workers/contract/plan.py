@@ -31,6 +31,14 @@ class ResumePlan:
     """Start the optimizer from fresh state, not the checkpoint's (moments are often poisoned)."""
     skip_ranges: tuple[tuple[int, int], ...] = ()
     """Inclusive step ranges whose batches are skipped (the incident window's data)."""
+    skip_batches: str | None = None
+    """Path of an incident's batch-ids file (``RUN_DIR/incidents/<id>/batch_ids-<n>.json``,
+    written by the supervisor from the ranks' ring buffers): a batch whose ``batch_ids`` equal
+    one recorded there for a step in :attr:`skip_batches_steps` is skipped wherever it comes up
+    again (``Session.should_skip(step, batch_ids=ids)``)."""
+    skip_batches_steps: tuple[int, int] | None = None
+    """The inclusive step window of the incident whose recorded batches are skipped; a script
+    that does not pass ``batch_ids`` to ``should_skip`` skips these steps instead."""
     generation: int = 0
     """The launch generation this plan belongs to."""
 
@@ -43,6 +51,11 @@ class ResumePlan:
         """Plain JSON-able data (``skip_ranges`` as lists)."""
         d = dataclasses.asdict(self)
         d["skip_ranges"] = [list(r) for r in self.skip_ranges]
+        if self.skip_batches_steps is not None:
+            d["skip_batches_steps"] = list(self.skip_batches_steps)
+        for name in ("skip_batches", "skip_batches_steps"):  # absent when unused: older plans
+            if d[name] is None:
+                del d[name]
         return d
 
     @classmethod
@@ -53,6 +66,10 @@ class ResumePlan:
             raise ValueError(f"resume plan has unknown fields {sorted(unknown)}")
         kw = dict(d)
         kw["skip_ranges"] = tuple((int(a), int(b)) for a, b in kw.get("skip_ranges", ()))
+        window = kw.get("skip_batches_steps")
+        if window is not None:
+            a, b = window
+            kw["skip_batches_steps"] = (int(a), int(b))
         return cls(**kw)
 
     def to_json(self) -> str:

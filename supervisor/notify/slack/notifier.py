@@ -66,6 +66,7 @@ RECOVERY_KINDS = (
     Kind.FAILED,
     Kind.STOPPED,
     Kind.ALERT,
+    Kind.FORENSICS,
 )
 """Kinds that go into the thread of the incident they name (a launch only into an open one)."""
 TRANSIENT = {"internal_error", "fatal_error", "service_unavailable", "request_timeout"}

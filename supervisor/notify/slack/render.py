@@ -17,7 +17,7 @@ from typing import Any
 from spikeguard.workers.contract.signals import grade_text, is_grade
 
 from ...events import INCIDENT_STATE, IncidentState, Kind
-from ..describe import describe, esc, num, ranks_text
+from ..describe import describe, duration_text, esc, num, ranks_text
 
 HEADER_MAX, SECTION_MAX, FIELD_MAX, CONTEXT_MAX, TEXT_MAX = 150, 3000, 2000, 2000, 3900
 EMOJI = {
@@ -36,6 +36,7 @@ EMOJI = {
     "completed": ":checkered_flag:",
     "launch": ":rocket:",
     "stopped": ":stop_button:",
+    "forensics": ":mag:",
 }
 
 
@@ -67,18 +68,6 @@ def parse_time(value: Any) -> float | None:
         return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
-
-
-def duration_text(seconds: float) -> str:
-    """``252`` -> ``4 min 12 s``."""
-    s = max(0, round(seconds))
-    return (
-        f"{s} s"
-        if s < 60
-        else f"{s // 60} min {s % 60} s"
-        if s < 3600
-        else f"{s // 3600} h {s % 3600 // 60} min"
-    )
 
 
 FIRED_FIELDS = (

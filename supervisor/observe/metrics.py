@@ -1,0 +1,546 @@
+"""The run's Prometheus metrics as a pure fold: journal events in, metric families out.
+
+Two inputs, no clock and no I/O of its own:
+
+* :meth:`MetricsFold.handle` folds every journal event (it is a notifier, like the console):
+  incidents, recovery attempts and how incidents ended, alerts, launch failures and undelivered
+  notifications as counters; how long each recovery took (incident to relaunch) as a histogram.
+  Events carry a ``kind`` and a reason ``code``; the fold reads those, never the prose.
+* :meth:`MetricsFold.tick` reads a :class:`Snapshot` of the controller on each of its ticks: the
+  machine's phase, generation and LR scale, and the collector's per-rank views (step, loss, LR,
+  grad norm, the latest report's summary and per-layer signals, when each rank last spoke,
+  tokens) and drop counts.
+
+:meth:`MetricsFold.families` renders the folded state as :class:`Family` records at scrape time
+(``now`` on the supervisor's monotonic clock, so a heartbeat's age keeps growing while the
+controller loop is stuck); :mod:`.exporter` turns them into ``prometheus_client`` families.
+
+Naming follows Prometheus' conventions: a ``spikeguard_`` prefix, base units in the name
+(``_seconds``, ``_nats``, ``_ratio``), ``_total`` on counters, and labels whose values are
+bounded: ``run`` (the job's name), ``rank`` (the world size), ``layer`` (at most ``max_layers``
+names, the rest folded into ``layer="(other)"``), ``rule`` (the policy's rule names),
+``phase``/``outcome``/``reason``/``severity`` (fixed sets). Never a step, never a free-text
+reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from spikeguard.workers.contract.signals import AGGREGATE, LAYER_SIGNALS
+
+from .. import recovery as rc
+from ..collector import Collector
+
+PREFIX = "spikeguard_"
+OTHER_LAYERS = "(other)"
+"""The ``layer`` label of the signals of every layer beyond ``max_layers``."""
+MAX_LABEL_CHARS = 120
+"""A longer layer name is shortened (with a hash of the whole, so two stay apart)."""
+DURATION_BUCKETS = (1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+"""Upper bounds (seconds) of the recovery-duration histogram's buckets (+Inf is added)."""
+INCIDENT_BUCKETS = (60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
+"""Upper bounds (seconds) of the incident-duration histogram (probation takes a while)."""
+
+SIGNAL_METRICS: dict[str, tuple[str, str]] = {
+    "grade": ("grade", "stability grade, 0 (S0, collapsing) to 7 (S7, healthy)"),
+    "erank_ratio": ("erank_ratio", "effective rank of the residual output / min(rows, d, k)"),
+    "attn_entropy_mean": ("attn_entropy_mean_nats", "attention entropy, mean over heads"),
+    "attn_entropy_min": ("attn_entropy_min_nats", "attention entropy of the lowest head"),
+    "attn_entropy_min_norm": (
+        "attn_entropy_min_norm_ratio",
+        "lowest head's attention entropy / log(visible keys)",
+    ),
+    "max_logit": ("max_attn_logit", "largest pre-softmax attention logit"),
+    "logz_mean": ("logz_mean", "log-partition of the LM head's output, mean"),
+    "logz_max": ("logz_max", "log-partition of the LM head's output, max"),
+}
+"""Per-layer signal -> (metric name suffix, what it measures)."""
+assert set(SIGNAL_METRICS) == set(LAYER_SIGNALS), "every layer signal has a metric"
+
+DROP_REASONS = (
+    "oversize",
+    "malformed",
+    "bad_version",
+    "unknown_type",
+    "wrong_type",
+    "out_of_range",
+    "unknown_rank",
+    "stale_generation",
+    "agent_overflow",
+    "rank_backpressure",
+)
+"""The ``reason`` label of dropped reports (anything else counts as ``other``)."""
+OUTCOMES = {
+    "probation_passed": "resolved",
+    "escalated": "escalated",
+    "failed": "failed",
+    "stopped": "stopped",
+}
+"""The journal kind that ends an incident -> the ``outcome`` label of recoveries."""
+
+Kind = Literal["gauge", "counter", "histogram"]
+Labels = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Histogram:
+    """One histogram series: cumulative bucket counts (by upper bound), the count and sum."""
+
+    buckets: tuple[tuple[float, int], ...]
+    count: int
+    sum: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One metric family: its name (counters end in ``_total``), type, help, label names and
+    samples (label values -> value; a histogram's values are :class:`Histogram`)."""
+
+    name: str
+    kind: Kind
+    help: str
+    labels: Labels
+    samples: tuple[tuple[Labels, float], ...] = ()
+    histograms: tuple[tuple[Labels, Histogram], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankSnapshot:
+    """What the collector knows of one rank at a tick."""
+
+    rank: int
+    step: int | None = None
+    loss: float | None = None
+    lr: float | None = None
+    grad_norm: float | None = None
+    summary: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    layers: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    last_seen: float | None = None
+    """Supervisor monotonic time of its last message (None: not yet)."""
+    tokens_total: int = 0
+    running: bool = True
+    """Neither exited nor done: its heartbeat's age means something."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Snapshot:
+    """What one controller tick shows: the machine's state and the collector's views."""
+
+    phase: str
+    generation: int
+    lr_scale: float
+    launched_at: float
+    """When the current generation was launched (a rank's age before its first message)."""
+    ranks: tuple[RankSnapshot, ...] = ()
+    dropped: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    rank_dropped: int = 0
+    now: float = 0.0
+
+
+def snapshot(state: rc.State, collector: Collector, now: float) -> Snapshot:
+    """The :class:`Snapshot` of a controller's machine state and collector at ``now``."""
+    ranks = tuple(
+        RankSnapshot(
+            rank=v.rank,
+            step=v.step,
+            loss=v.loss,
+            lr=v.lr,
+            grad_norm=v.grad_norm,
+            summary=dict(v.summary),
+            layers={k: dict(s) for k, s in v.layers.items()},
+            last_seen=v.last_seen,
+            tokens_total=v.tokens_total,
+            running=v.exit_code is None and not v.done,
+        )
+        for v in collector.ranks.values()
+    )
+    return Snapshot(
+        phase=state.phase.value,
+        generation=state.generation,
+        lr_scale=state.lr_scale,
+        launched_at=collector.launched_at,
+        ranks=ranks,
+        dropped=dict(collector.dropped),
+        rank_dropped=collector.rank_dropped,
+        now=now,
+    )
+
+
+class MetricsFold:
+    """The folded state behind ``/metrics``; see the module docstring."""
+
+    def __init__(self, *, run: str, max_layers: int = 64) -> None:
+        self.run = run
+        self.max_layers = max_layers
+        self._layers: dict[str, str] = {}
+        """Admitted layer name -> its label value, in the order first reported."""
+        self._last: Snapshot | None = None
+        self._tick_at: float | None = None
+        self._tokens_base: dict[int, int] = {}
+        self._tokens_seen: dict[int, int] = {}
+        self.incidents: dict[str, int] = {}
+        self.attempts: dict[str, int] = {}
+        self.recoveries: dict[tuple[str, str], int] = {}
+        self.alerts: dict[tuple[str, str], int] = {}
+        self.launch_failures = 0
+        self.undelivered = 0
+        self.durations: dict[str, list[float]] = {}
+        """Rule -> seconds from each attempt's incident event to its relaunch."""
+        self.incident_durations: dict[tuple[str, str], list[float]] = {}
+        """(rule, outcome) -> seconds from each incident's first event to its end."""
+        self._opened_at: dict[str, float] = {}
+        self._rule_of: dict[str, str] = {}
+        """Incident id -> the rule that opened it."""
+        self._attempt_at: dict[str, float] = {}
+        """Incident id -> ``mono`` of the incident event of its current attempt."""
+        self._concluded: set[str] = set()
+
+    # -- the journal ---------------------------------------------------------------------------
+    def handle(self, ev: Mapping[str, Any]) -> None:
+        """Fold one journal event in (the events of a restarted run's journal too)."""
+        kind, inc = ev.get("kind"), ev.get("incident")
+        mono = _float(ev.get("mono"))
+        if kind == "incident" and isinstance(inc, str):
+            if inc not in self._rule_of or inc in self._concluded:
+                self._concluded.discard(inc)
+                self._rule_of[inc] = _label(ev.get("rule"))
+                _bump(self.incidents, self._rule_of[inc])
+                if mono is not None:
+                    self._opened_at[inc] = mono
+            if mono is not None:
+                self._attempt_at[inc] = mono
+        elif kind == "launch" and ev.get("code") == "relaunch_after_rollback":
+            if isinstance(inc, str) and inc in self._rule_of:
+                rule = self._rule_of[inc]
+                _bump(self.attempts, rule)
+                started = self._attempt_at.pop(inc, None)
+                if started is not None and mono is not None:
+                    self.durations.setdefault(rule, []).append(max(0.0, mono - started))
+        elif kind == "launch_failed":
+            self.launch_failures += 1
+        elif kind == "notify_undelivered":
+            self.undelivered += 1
+        elif kind == "alert" and not ev.get("resolved"):
+            severity = str(ev.get("severity") or "warn")
+            if severity not in ("info", "warn", "page"):
+                severity = "warn"
+            _bump(self.alerts, (_label(ev.get("rule")), severity))
+        if kind in OUTCOMES and isinstance(inc, str) and inc in self._rule_of:
+            self._conclude(inc, OUTCOMES[str(kind)], mono)
+
+    def _conclude(self, inc: str, outcome: str, mono: float | None) -> None:
+        """Incident ``inc`` ended (the first ending counts)."""
+        if inc in self._concluded:
+            return
+        self._concluded.add(inc)
+        key = (self._rule_of[inc], outcome)
+        _bump(self.recoveries, key)
+        opened = self._opened_at.pop(inc, None)
+        if opened is not None and mono is not None:
+            self.incident_durations.setdefault(key, []).append(max(0.0, mono - opened))
+
+    # -- the collector ---------------------------------------------------------------------------
+    def tick(self, snap: Snapshot) -> None:
+        """Take the controller's view at one tick (it replaces the previous one)."""
+        for r in snap.ranks:
+            seen = self._tokens_seen.get(r.rank, 0)
+            if r.tokens_total < seen:  # a new generation: its ranks count from 0 again
+                self._tokens_base[r.rank] = self._tokens_base.get(r.rank, 0) + seen
+            self._tokens_seen[r.rank] = r.tokens_total
+            for name in r.layers:
+                self._admit(name)
+        self._last = snap
+        self._tick_at = snap.now
+
+    def _admit(self, name: str) -> None:
+        if name in self._layers or len(self._layers) >= self.max_layers:
+            return
+        label = name
+        if len(name) > MAX_LABEL_CHARS:
+            digest = hashlib.sha256(name.encode("utf-8", "replace")).hexdigest()[:8]
+            label = f"{name[: MAX_LABEL_CHARS - 10]}…{digest}"
+        if label == OTHER_LAYERS or label in self._layers.values():
+            return  # cannot be told apart: folded into (other)
+        self._layers[name] = label
+
+    # -- the exposition ---------------------------------------------------------------------------
+    def families(self, now: float) -> list[Family]:
+        """Every family, with its samples as of the last tick (ages measured at ``now``)."""
+        run = self.run
+        out = self._run_families(now)
+        out += self._rank_families(now)
+        out += [
+            _counter(
+                "incidents_total",
+                "incidents opened, by the rule that opened them",
+                ("run", "rule"),
+                {(run, r): n for r, n in self.incidents.items()},
+            ),
+            _counter(
+                "recovery_attempts_total",
+                "relaunches after a rollback, by the incident's rule",
+                ("run", "rule"),
+                {(run, r): n for r, n in self.attempts.items()},
+            ),
+            _counter(
+                "recoveries_total",
+                "incidents that ended, by rule and outcome (resolved, escalated, failed, stopped)",
+                ("run", "rule", "outcome"),
+                {(run, r, o): n for (r, o), n in self.recoveries.items()},
+            ),
+            _counter(
+                "alerts_total",
+                "notify and checkpoint rules that fired, by rule and severity",
+                ("run", "rule", "severity"),
+                {(run, r, s): n for (r, s), n in self.alerts.items()},
+            ),
+            _counter(
+                "launch_failures_total",
+                "launches that did not come up (retried outside the incident budget)",
+                ("run",),
+                {(run,): self.launch_failures},
+            ),
+            _counter(
+                "notify_undelivered_total",
+                "notifications given up on",
+                ("run",),
+                {(run,): self.undelivered},
+            ),
+            self._dropped(),
+            *self._durations(),
+        ]
+        return out
+
+    def _run_families(self, now: float) -> list[Family]:
+        snap, run = self._last, self.run
+        phases = [p.value for p in rc.Phase]
+        current = snap.phase if snap else rc.Phase.STARTING.value  # before the first tick
+        gauges = [
+            Family(
+                PREFIX + "phase",
+                "gauge",
+                "the recovery machine's phase: 1 for the current one, 0 for the others",
+                ("run", "phase"),
+                tuple(((run, p), 1.0 if p == current else 0.0) for p in phases),
+            ),
+        ]
+        if snap is None:
+            return gauges
+        gauges += [
+            _gauge(
+                "generation",
+                "the generation of ranks running now",
+                ("run",),
+                {(run,): snap.generation},
+            ),
+            _gauge(
+                "lr_scale",
+                "the compounded LR scale of every launch",
+                ("run",),
+                {(run,): snap.lr_scale},
+            ),
+            _gauge("world_size", "ranks per generation", ("run",), {(run,): len(snap.ranks)}),
+            _gauge(
+                "layers_folded",
+                'layer names beyond max_layers, exported as layer="(other)"',
+                ("run",),
+                {(run,): self._folded_count()},
+            ),
+            _gauge(
+                "tick_age_seconds",
+                "seconds since the controller's loop last ran",
+                ("run",),
+                {(run,): max(0.0, now - (self._tick_at or now))},
+            ),
+        ]
+        return gauges
+
+    def _folded_count(self) -> int:
+        names: set[str] = set()
+        for r in self._last.ranks if self._last else ():
+            names.update(n for n in r.layers if n not in self._layers)
+        return len(names)
+
+    def _rank_families(self, now: float) -> list[Family]:
+        snap, run = self._last, self.run
+        ranks = snap.ranks if snap else ()
+        per_rank: dict[str, dict[Labels, float]] = {}
+        per_layer: dict[str, dict[Labels, float]] = {}
+        ages: dict[Labels, float] = {}
+        tokens: dict[Labels, float] = {}
+        for r in ranks:
+            key = (run, str(r.rank))
+            for name, value in (
+                ("step", r.step),
+                ("loss", r.loss),
+                ("lr", r.lr),
+                ("grad_norm", r.grad_norm),
+            ):
+                number = _float(value)
+                if number is not None:
+                    per_rank.setdefault(name, {})[key] = number
+            for signal, value in r.summary.items():
+                if signal in SIGNAL_METRICS and _number(value):
+                    per_rank.setdefault(SIGNAL_METRICS[signal][0], {})[key] = float(value)
+            for layer, signals in self._layer_values(r.layers).items():
+                for signal, value in signals.items():
+                    series = per_layer.setdefault(SIGNAL_METRICS[signal][0], {})
+                    series[(run, str(r.rank), layer)] = value
+            if r.running and snap is not None:
+                since = snap.launched_at if r.last_seen is None else r.last_seen
+                ages[key] = max(0.0, now - since)
+            if r.tokens_total or self._tokens_base.get(r.rank):
+                tokens[key] = float(self._tokens_base.get(r.rank, 0) + r.tokens_total)
+        labels = ("run", "rank")
+        out = [
+            _gauge("rank_step", "the rank's latest step", labels, per_rank.get("step", {})),
+            _gauge("rank_loss", "the rank's latest loss", labels, per_rank.get("loss", {})),
+            _gauge(
+                "rank_lr",
+                "the rank's latest learning rate (LR scale applied)",
+                labels,
+                per_rank.get("lr", {}),
+            ),
+            _gauge(
+                "rank_grad_norm",
+                "the rank's latest gradient norm",
+                labels,
+                per_rank.get("grad_norm", {}),
+            ),
+            _gauge(
+                "rank_heartbeat_age_seconds",
+                "seconds since the rank's last message (since its launch, before the first)",
+                labels,
+                ages,
+            ),
+            _counter(
+                "rank_tokens_total",
+                "tokens the rank reported processing (sg.step(tokens=...))",
+                labels,
+                tokens,
+            ),
+        ]
+        for signal, (suffix, what) in SIGNAL_METRICS.items():
+            how = "worst over layers" if AGGREGATE[signal] == "min" else "highest over layers"
+            out.append(
+                _gauge(f"rank_{suffix}", f"{what} ({how})", labels, per_rank.get(suffix, {}))
+            )
+        for suffix, what in SIGNAL_METRICS.values():
+            out.append(
+                _gauge(
+                    f"layer_{suffix}",
+                    f"{what}, per layer",
+                    ("run", "rank", "layer"),
+                    per_layer.get(suffix, {}),
+                )
+            )
+        return out
+
+    def _layer_values(self, layers: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+        """Per exported layer label: its signals; the layers beyond the cap folded into
+        ``(other)`` with the worst value of each signal (NaN if any is NaN)."""
+        out: dict[str, dict[str, float]] = {}
+        other: dict[str, list[float]] = {}
+        for name, signals in layers.items():
+            label = self._layers.get(name)
+            for signal, value in signals.items():
+                if signal not in SIGNAL_METRICS or not _number(value):
+                    continue
+                if label is not None:
+                    out.setdefault(label, {})[signal] = float(value)
+                else:
+                    other.setdefault(signal, []).append(float(value))
+        for signal, values in other.items():
+            if any(math.isnan(v) for v in values):
+                worst = math.nan
+            else:
+                worst = max(values) if AGGREGATE[signal] == "max" else min(values)
+            out.setdefault(OTHER_LAYERS, {})[signal] = worst
+        return out
+
+    def _dropped(self) -> Family:
+        counts: dict[Labels, float] = {}
+        snap = self._last
+        if snap is not None:
+            for reason, n in snap.dropped.items():
+                key = (self.run, reason if reason in DROP_REASONS else "other")
+                counts[key] = counts.get(key, 0.0) + n
+            if snap.rank_dropped:
+                counts[(self.run, "rank_backpressure")] = float(snap.rank_dropped)
+        return _counter(
+            "reports_dropped_total",
+            "rank messages dropped, by reason (malformed, stale_generation, ...)",
+            ("run", "reason"),
+            counts,
+        )
+
+    def _durations(self) -> list[Family]:
+        recoveries: dict[Labels, list[float]] = {
+            (self.run, rule): v for rule, v in self.durations.items()
+        }
+        incidents: dict[Labels, list[float]] = {
+            (self.run, rule, outcome): v for (rule, outcome), v in self.incident_durations.items()
+        }
+        return [
+            _histogram(
+                "recovery_duration_seconds",
+                "seconds from an incident (each attempt) to the relaunch of its ranks: kill, "
+                "batch forensics, rollback and launch",
+                ("run", "rule"),
+                recoveries,
+                DURATION_BUCKETS,
+            ),
+            _histogram(
+                "incident_duration_seconds",
+                "seconds from an incident's first event to its end (probation included)",
+                ("run", "rule", "outcome"),
+                incidents,
+                INCIDENT_BUCKETS,
+            ),
+        ]
+
+
+def _histogram(
+    name: str,
+    help: str,
+    labels: Labels,
+    values: Mapping[Labels, list[float]],
+    bounds: tuple[float, ...],
+) -> Family:
+    series = []
+    for key, vs in sorted(values.items()):
+        buckets = tuple((b, sum(1 for v in vs if v <= b)) for b in bounds)
+        hist = Histogram(buckets + ((math.inf, len(vs)),), len(vs), sum(vs))
+        series.append((key, hist))
+    return Family(PREFIX + name, "histogram", help, labels, histograms=tuple(series))
+
+
+def _gauge(name: str, help: str, labels: Labels, values: Mapping[Labels, float]) -> Family:
+    return Family(PREFIX + name, "gauge", help, labels, tuple(sorted(values.items())))
+
+
+def _counter(name: str, help: str, labels: Labels, values: Mapping[Labels, float]) -> Family:
+    return Family(PREFIX + name, "counter", help, labels, tuple(sorted(values.items())))
+
+
+def _bump(counts: dict[Any, int], key: Any) -> None:
+    counts[key] = counts.get(key, 0) + 1
+
+
+def _label(value: Any) -> str:
+    """A rule name as a label value (None: empty; clipped like a layer name)."""
+    return "" if value is None else str(value)[:MAX_LABEL_CHARS]
+
+
+def _float(x: Any) -> float | None:
+    """``x`` as a float, or None when it is not a number (None, a string, a bool)."""
+    return float(x) if _number(x) else None
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
