@@ -1,6 +1,8 @@
 """What a checkpoint looks like on disk. Torch-free.
 
-A checkpoint is two files in one directory:
+A replicated checkpoint (one rank's ``torch.save``) is two files in one directory (a sharded one,
+a ``torch.distributed.checkpoint`` directory with a commit marker, is described in
+:mod:`.commit`; both are a :class:`CheckpointInfo`):
 
 * the data file ``ckpt-step{step:08d}-gen{generation:03d}-rank{rank}.pt``, a ``torch.save`` zip
   that loads with ``weights_only=True``;
@@ -34,7 +36,7 @@ CHECKPOINT_FORMAT_VERSION = 1
 SIDECAR_SUFFIX = ".json"
 TMP_PREFIX = ".tmp-"
 
-_DATA_NAME_RE = re.compile(r"^ckpt-step\d+-gen\d+-rank\d+\.pt$")
+_DATA_NAME_RE = re.compile(r"^ckpt-step(\d+)-gen(\d+)-rank(\d+)\.pt$")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _INT_FIELDS = ("step", "generation", "rank", "size")
 
@@ -73,6 +75,17 @@ class CheckpointInfo:
     size: int
     meta: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False, compare=False)
     created: str = ""
+    kind: str = "replicated"
+    """``"replicated"``: one ``torch.save`` file and its sidecar (``path`` the file, ``meta_path``
+    the sidecar). ``"sharded"``: a ``torch.distributed.checkpoint`` directory (``path`` the
+    directory, ``meta_path`` its commit marker, ``sha256`` the marker's own checksum, ``size``
+    the bytes of every file it lists, ``rank`` 0); see :mod:`.commit`."""
+    world_size: int = 1
+    """How many ranks wrote it (1 for a replicated checkpoint)."""
+    files: tuple[tuple[str, str, int], ...] = dataclasses.field(
+        default=(), hash=False, compare=False
+    )
+    """A sharded checkpoint's files, as its commit marker lists them: (name, sha256, size)."""
 
     @property
     def grade(self) -> int | None:
@@ -92,18 +105,47 @@ class CheckpointInfo:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Incomplete:
+    """A save that never finished (or has not finished yet): a sharded checkpoint directory
+    without a commit marker, or a replicated data file without its sidecar."""
+
+    path: str
+    step: int
+    generation: int
+    kind: str
+    """``"sharded"`` or ``"replicated"``."""
+    size: int = 0
+    """Bytes on disk (what removing it frees)."""
+
+
 class CheckpointList(list[CheckpointInfo]):
     """:func:`~.select.list_checkpoints`'s result.
 
-    ``problems`` holds (path, reason) for each file that was skipped.
+    ``problems`` holds (path, reason) for each file that was skipped; ``incomplete`` the saves
+    among them that never finished (each also in ``problems``).
     """
 
     problems: list[tuple[str, str]]
+    incomplete: list[Incomplete]
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.problems = []
+        self.incomplete = []
 
 
 def checkpoint_name(step: int, generation: int, rank: int = 0) -> str:
     """The data file name of a checkpoint."""
     return f"ckpt-step{step:08d}-gen{generation:03d}-rank{rank}.pt"
+
+
+def parse_data_name(name: str) -> tuple[int, int, int] | None:
+    """(step, generation, rank) of a data file name, or None if ``name`` is not one."""
+    match = _DATA_NAME_RE.match(name)
+    if match is None:
+        return None
+    return int(match[1]), int(match[2]), int(match[3])
 
 
 def is_data_name(name: str) -> bool:
@@ -126,7 +168,7 @@ def sidecar_text(info: CheckpointInfo) -> str:
         "file": os.path.basename(info.path),
     }
     for key, value in dataclasses.asdict(info).items():
-        if key not in ("path", "meta_path"):
+        if key not in ("path", "meta_path", "kind", "world_size", "files"):
             fields[key] = value
     return json.dumps(fields, indent=1, sort_keys=True) + "\n"
 
