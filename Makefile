@@ -12,7 +12,9 @@ TYPED := -p spikeguard.supervisor.recovery -p spikeguard.workers.contract -p spi
 	-m spikeguard.supervisor.validate -m spikeguard.workers.checkpoint.files \
 	-m spikeguard.supervisor.secrets -m spikeguard.supervisor.launch.environment \
 	-m spikeguard.workers.checkpoint.select -m spikeguard.workers.checkpoint.format \
-	-m spikeguard.workers.checkpoint.pickle_scan -m spikeguard.workers.checkpoint.integrity
+	-m spikeguard.workers.checkpoint.pickle_scan -m spikeguard.workers.checkpoint.integrity \
+	-m spikeguard.workers.checkpoint.commit -m spikeguard.workers.checkpoint.retention \
+	-m spikeguard.workers.checkpoint.remove
 
 .PHONY: demo test setup lint typecheck clean
 

@@ -8,6 +8,7 @@ import signal
 from typing import Any
 
 from spikeguard.workers import contract
+from spikeguard.workers.checkpoint.retention import RetentionSettings
 from spikeguard.workers.contract.exitcodes import ExitCode
 
 from . import recovery as rc
@@ -55,6 +56,27 @@ def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> l
         return notifiers
     notifiers.append(SlackNotifier(settings, run=run_id, journal=journal_fn))
     return notifiers
+
+
+def retention_settings(job: JobSpec, policy: Any) -> RetentionSettings | None:
+    """The job's ``checkpoints`` settings, completed from the policy: healthy means graded at
+    least the policy's ``recovery.min_grade`` (unless the job says), and ``keep_healthy`` looks
+    back as far as the largest ``min_steps_back`` of its recover rules. None when disabled."""
+    spec = job.checkpoints
+    if not spec.enabled:
+        return None
+    steps_back = [policy.recovery.min_steps_back]
+    for rule in policy.rules:
+        if rule.action == "recover":
+            steps_back.append(policy.recovery_for(rule).min_steps_back)
+    min_grade = spec.min_grade if spec.min_grade is not None else policy.recovery.min_grade
+    return RetentionSettings(
+        keep_last=spec.keep_last,
+        keep_every=spec.keep_every,
+        keep_healthy=spec.keep_healthy,
+        min_grade=min_grade,
+        min_steps_back=max(steps_back),
+    )
 
 
 def finished_outcome(events: list[dict[str, Any]]) -> rc.State | None:
@@ -155,6 +177,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
             default_settings=rc.Settings.from_policy(policy.recovery),
             on_tick=LiveView() if live else None,
             preempt_grace_s=t.preempt_grace_s,
+            retention_settings=retention_settings(job, policy),
         )
         notifiers = make_notifiers(job, policy, job.name, ctl.journal.record)
         for n in notifiers if events else ():
