@@ -14,7 +14,7 @@ TYPED := -p spikeguard.supervisor.recovery -p spikeguard.workers.contract -p spi
 	-m spikeguard.workers.checkpoint.select -m spikeguard.workers.checkpoint.format \
 	-m spikeguard.workers.checkpoint.pickle_scan -m spikeguard.workers.checkpoint.integrity \
 	-m spikeguard.workers.checkpoint.commit -m spikeguard.workers.checkpoint.retention \
-	-m spikeguard.workers.checkpoint.remove
+	-m spikeguard.workers.checkpoint.remove -m spikeguard.supervisor.checkpoint_table
 
 .PHONY: demo test setup lint typecheck clean
 

@@ -363,6 +363,8 @@ class Controller:
                     "checkpoint_kind": verdict.kind,
                     "complete": verdict.complete,
                     "grade": verdict.grade,
+                    "loss": _jsonable(verdict.loss),
+                    "ranks": verdict.ranks,
                     "bytes": verdict.size,
                 }
             )

@@ -13,10 +13,14 @@ holds, checked in this order:
 * it lies off the current lineage (a rollback abandoned it: no rollback can choose it again):
   deleted;
 * ``keep_last``: it is one of the ``keep_last`` newest on the lineage;
-* ``keep_healthy``: it is one of the ``keep_healthy`` newest on the lineage graded at least
-  ``min_grade``, or, when ``min_steps_back`` > 0, one of the ``keep_healthy`` newest such at or
-  before the newest checkpoint's step minus ``min_steps_back`` (what a numerical rollback can
-  choose once the run has moved on);
+* ``keep_healthy``: it is graded at least ``min_grade`` and is one of the ``keep_healthy``
+  newest such on the lineage; or, when ``min_steps_back`` > 0, it lies within
+  ``min_steps_back`` steps of the newest checkpoint (each of those becomes the rollback target
+  of a numerical incident once the run has moved on), or is one of the ``keep_healthy`` newest
+  at or before that window. So whatever step the next incident fires at, the checkpoint a
+  numerical rollback would choose (newest, graded at least ``min_grade``, at least
+  ``min_steps_back`` before the incident, on the lineage) is still there, and so is the one a
+  crash or hang rollback would (the newest, through ``keep_last``);
 * otherwise it is deleted.
 
 A save that never finished (a sharded directory without a commit marker, a replicated data file
@@ -25,8 +29,9 @@ was replaced (every rank of it was killed before the next launch, and a fenced r
 commit), or a later save of the same generation completed (a rank saves one checkpoint at a
 time). Otherwise it is kept: a save may still be running.
 
-Disk use is therefore bounded by ``keep_last + 2 × keep_healthy`` checkpoints, plus the
-protected one, plus one every ``keep_every`` steps.
+Disk use is therefore bounded by ``keep_last + 2 × keep_healthy`` checkpoints, plus those within
+``min_steps_back`` steps of the newest one (``min_steps_back`` / the checkpoint interval), plus
+the protected one, plus one every ``keep_every`` steps.
 """
 
 from __future__ import annotations
@@ -47,8 +52,9 @@ class RetentionSettings:
     keep_every: int | None = None
     """Keep every checkpoint whose step is a multiple of this (None: none kept for that)."""
     keep_healthy: int = 2
-    """The newest checkpoints graded at least ``min_grade`` to keep (and as many again at least
-    ``min_steps_back`` steps before the newest checkpoint)."""
+    """The newest checkpoints graded at least ``min_grade`` to keep (and, with
+    ``min_steps_back``, every such checkpoint within ``min_steps_back`` steps of the newest one
+    and as many again before them)."""
     min_grade: int = 4
     """What counts as healthy for ``keep_healthy`` (the policy's ``recovery.min_grade``)."""
     min_steps_back: int = 0
@@ -81,6 +87,10 @@ class Verdict:
     complete: bool = True
     """False for a save that never finished."""
     grade: int | None = None
+    loss: float | None = None
+    """The loss recorded with the checkpoint (the journal keeps it for the table)."""
+    ranks: int | None = None
+    """How many ranks wrote it."""
 
 
 def _order(info: CheckpointInfo) -> tuple[int, int, str]:
@@ -89,17 +99,23 @@ def _order(info: CheckpointInfo) -> tuple[int, int, str]:
 
 def _healthy_kept(on: list[CheckpointInfo], settings: RetentionSettings) -> dict[str, str]:
     """{path: reason} of the checkpoints ``keep_healthy`` keeps (``on``: newest first)."""
-    n, grade = settings.keep_healthy, settings.min_grade
+    n, grade, back = settings.keep_healthy, settings.min_grade, settings.min_steps_back
     healthy = [i for i in on if i.grade is not None and i.grade >= grade]
     kept = {i.path: f"keep_healthy {n}: graded S{i.grade} >= S{grade}" for i in healthy[:n]}
-    if settings.min_steps_back > 0 and on:
-        bound = on[0].step - settings.min_steps_back
-        back = [i for i in healthy if i.step <= bound][:n]
-        for i in back:
+    if back > 0 and on and n > 0:
+        bound = on[0].step - back
+        for i in healthy:
+            if i.step > bound:
+                kept.setdefault(
+                    i.path,
+                    f"keep_healthy: graded S{i.grade} >= S{grade}, within min_steps_back "
+                    f"{back} of step {on[0].step} (a rollback target once the run moves on)",
+                )
+        for i in [i for i in healthy if i.step <= bound][:n]:
             kept.setdefault(
                 i.path,
                 f"keep_healthy {n}: graded S{i.grade} >= S{grade}, at least "
-                f"min_steps_back {settings.min_steps_back} before step {on[0].step}",
+                f"min_steps_back {back} before step {on[0].step}",
             )
     return kept
 
@@ -146,9 +162,18 @@ def _complete(
                 why,
                 info.size,
                 grade=info.grade,
+                loss=_loss(info),
+                ranks=info.world_size,
             )
         )
     return verdicts
+
+
+def _loss(info: CheckpointInfo) -> float | None:
+    value = info.meta.get("loss")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
 
 
 def _unfinished(
