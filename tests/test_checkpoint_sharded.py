@@ -142,6 +142,29 @@ def test_async_saves_commit_what_was_staged_with_the_worst_grade(tmp_path: Path)
     )
 
 
+def test_a_request_the_ranks_see_at_different_steps_is_answered_at_one_step(
+    tmp_path: Path,
+) -> None:
+    """Request 1 reaches rank 0 before step 3 and rank 1 before step 5; request 2 reaches only
+    rank 1, before step 7. Every rank saves at steps 3 and 7, and nowhere else (a rank saving
+    alone would hang its peers in the collective)."""
+    report = tmp_path / "rep"
+    runs, results = _job(
+        tmp_path,
+        2,
+        "--steps",
+        "10",
+        "--report",
+        f"jsonl://{report}",
+        *("--request", "0:3:1", "--request", "1:5:1", "--request", "1:7:2"),
+    )
+    assert all(r.returncode == 0 for r in runs), [r.stdout[-2000:] for r in runs]
+    assert [sorted(r["saved"]) for r in results] == [["3", "7"], ["3", "7"]]
+    assert [i.step for i in ckpt.list_checkpoints(tmp_path / "ck")] == [3, 7]
+    answers = [m for m in read_jsonl(Path(f"{report}.rank0.jsonl")) if m["type"] == "checkpoint"]
+    assert [(m["step"], m["requests"]) for m in answers] == [(3, [1]), (7, [2])]
+
+
 def test_a_fenced_generation_cannot_commit(tmp_path: Path) -> None:
     fence = tmp_path / "FENCE"
     fence.write_text("0")

@@ -13,6 +13,9 @@ channel per rank) and rank 0 writes, to ``--out``:
 
 ``--kill-rank R --kill-at N``: rank R SIGKILLs itself in the middle of the save of step N,
 right after DCP wrote its shard and before fsyncing it (the peers then fail in a collective).
+``--request R:N:ID`` (repeatable): the supervisor's checkpoint request ``ID`` reaches rank R
+right before its step N (put where the channel's reader thread puts what the supervisor sends),
+so that the ranks see one request at different steps.
 ``--fence-at N``: in the middle of the save of step N (after every rank passed the pre-flight),
 rank 0 writes generation 99 into the fence file (``SPIKEGUARD_FENCE_FILE``), as the supervisor
 does when it replaces a generation.
@@ -46,6 +49,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fence-at", type=int, default=-1)
     p.add_argument("--width", type=int, default=48)
     p.add_argument("--low-rank", type=int, default=-1, help="this rank trains on rank-one inputs")
+    p.add_argument("--request", action="append", default=[], help="RANK:STEP:ID")
     return p.parse_args(argv)
 
 
@@ -88,6 +92,29 @@ def mid_save(directory: str, action) -> None:
     os.fsync = fsync
 
 
+class Requests:
+    """The supervisor's checkpoint requests as this rank receives them: ``arrive(step)`` hands
+    the session (through its channel's ``poll_requests``, as the reader thread would) those
+    that reach this rank right before ``step``."""
+
+    def __init__(self, sg, rank: int, specs: list[str]) -> None:
+        self.due: dict[int, list[dict]] = {}
+        for spec in specs:
+            r, step, rid = (int(x) for x in spec.split(":"))
+            if r == rank:
+                request = {"type": "checkpoint", "id": rid, "reason": "test"}
+                self.due.setdefault(step, []).append(request)
+        self.arrived: list[dict] = []
+        sg.channel.poll_requests = self.poll
+
+    def arrive(self, step: int) -> None:
+        self.arrived += self.due.pop(step, [])
+
+    def poll(self) -> list[dict]:
+        out, self.arrived = self.arrived, []
+        return out
+
+
 def main() -> int:
     args = parse()
     rank = int(os.environ.get("RANK", "0"))
@@ -120,7 +147,9 @@ def main() -> int:
         if rank == 0:
             torch.save({"step": start, **resumed}, out / "resumed.pt")
     save_at = {int(s) for s in args.save_at.split(",") if s}
+    requests = Requests(sg, rank, args.request)
     for step in range(start, args.steps):
+        requests.arrive(step)
         x, y = batch(step, rank, rank == args.low_rank)
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
