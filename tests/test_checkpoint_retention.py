@@ -147,23 +147,20 @@ def test_a_rollback_target_is_never_deleted(seed: int) -> None:
     if not on or settings.keep_healthy == 0:
         return  # keep_healthy 0 keeps no graded history: a rollback may find nothing
     newest = max(i.step for i in on)
+
+    def rollback(candidates: list[CheckpointInfo], before: int) -> CheckpointInfo | None:
+        chosen, _ = ckpt.select_checkpoint(
+            candidates,
+            min_grade=settings.min_grade,
+            before_step=before,
+            min_steps_back=settings.min_steps_back,
+            lineage=lineage,
+            verify_fn=lambda _: None,
+        )
+        return chosen
+
     for before in (newest, newest + 1, newest + 49, newest + 137, newest + 1000):
-        full, _ = ckpt.select_checkpoint(
-            infos,
-            min_grade=settings.min_grade,
-            before_step=before,
-            min_steps_back=settings.min_steps_back,
-            lineage=lineage,
-            verify_fn=lambda _: None,
-        )
-        after, _ = ckpt.select_checkpoint(
-            kept,
-            min_grade=settings.min_grade,
-            before_step=before,
-            min_steps_back=settings.min_steps_back,
-            lineage=lineage,
-            verify_fn=lambda _: None,
-        )
+        full, after = rollback(infos, before), rollback(kept, before)
         assert after == full, (seed, before, full, after)
     # a crash rolls back to the newest checkpoint on the lineage: always kept
     assert by_path[max(on, key=lambda i: (i.step, i.generation)).path].keep

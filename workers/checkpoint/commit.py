@@ -35,9 +35,8 @@ import os
 import re
 from typing import Any
 
-from ..contract.messages import too_deep
 from .files import open_regular
-from .format import MAX_FIELD_INT, CheckpointInfo, CorruptCheckpointError
+from .format import MAX_FIELD_INT, CheckpointInfo, CorruptCheckpointError, decode_json
 
 SHARDED_FORMAT = "spikeguard-sharded-checkpoint"
 SHARDED_FORMAT_VERSION = 1
@@ -175,18 +174,7 @@ def parse_marker(directory: str, raw: bytes) -> CheckpointInfo:
     not a plain name, no ``.metadata``, or fields that describe another directory name.
     """
     path = os.path.join(directory, COMMIT_NAME)
-    try:
-        fields = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(
-            f"commit marker {path}: unreadable or malformed JSON: {type(e).__name__}: {e}"
-        ) from None
-    if too_deep(fields, MAX_MARKER_DEPTH):
-        raise CorruptCheckpointError(
-            f"commit marker {path}: nested more than {MAX_MARKER_DEPTH} levels"
-        )
-    if not isinstance(fields, dict):
-        fields = {}
+    fields = decode_json(raw, f"commit marker {path}", MAX_MARKER_DEPTH)
     problem = _marker_problem(fields, directory)
     if problem is not None:
         raise CorruptCheckpointError(f"commit marker {path}: {problem}")

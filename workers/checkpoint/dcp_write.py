@@ -203,23 +203,12 @@ class ShardedWriter:
         prepared, meta = self._preflight(path, state, step, generation, meta, fence)
         control, background = self._groups()
         if not async_save:
-            metadata = self._dcp_save(path, prepared, control)
+            metadata = self._dcp(dcp.save, path, prepared, control, "writing")
             info = self._commit(path, metadata, step, generation, rank_meta, meta, fence, control)
             if on_commit is not None and self.rank == 0:
                 on_commit(info)
             return info
-        try:
-            with quiet_single_process(self.distributed):
-                upload = dcp.async_save(
-                    prepared,
-                    storage_writer=dcp.FileSystemWriter(path, sync_files=True, overwrite=False),
-                    process_group=background,
-                    no_dist=not self.distributed,
-                )
-        except BaseException as e:
-            if not _is_checkpoint_exception(e) and not isinstance(e, Exception):
-                raise
-            raise CheckpointError(f"staging {path} failed: {describe_error(e)}") from e
+        upload = self._dcp(dcp.async_save, path, prepared, background, "staging")
         upload_future = getattr(upload, "upload_completion", upload)
 
         def finish() -> CheckpointInfo:
@@ -305,11 +294,15 @@ class ShardedWriter:
             raise CheckpointError(f"sharded checkpoint {path} not saved: {where}")
         return prepared, meta
 
-    def _dcp_save(self, path: str, state: dict[str, Any], group: Any) -> Any:
-        """Stage 2, synchronous: DCP writes every rank's shard and rank 0's ``.metadata``."""
+    def _dcp(
+        self, call: Callable[..., Any], path: str, state: dict[str, Any], group: Any, what: str
+    ) -> Any:
+        """``dcp.save`` or ``dcp.async_save`` of ``state`` into ``path`` over ``group``, every
+        file fsynced; DCP's errors (a ``CheckpointException``, a ``BaseException``) become a
+        :class:`CheckpointError`, after the clean-up when the write itself failed."""
         try:
             with quiet_single_process(self.distributed):
-                return dcp.save(
+                return call(
                     state,
                     storage_writer=dcp.FileSystemWriter(path, sync_files=True, overwrite=False),
                     process_group=group,
@@ -318,8 +311,9 @@ class ShardedWriter:
         except BaseException as e:
             if not _is_checkpoint_exception(e) and not isinstance(e, Exception):
                 raise
-            self._cleanup_after_failure(path, group)
-            raise CheckpointError(f"writing {path} failed: {describe_error(e)}") from e
+            if what == "writing":
+                self._cleanup_after_failure(path, group)
+            raise CheckpointError(f"{what} {path} failed: {describe_error(e)}") from e
 
     def _cleanup_after_failure(self, path: str, group: Any) -> None:
         """After DCP raised on every rank: rank 0 removes the directory once every rank is past

@@ -193,6 +193,23 @@ def _sidecar_problem(fields: dict[str, Any], meta_path: str) -> str | None:
     return None
 
 
+def decode_json(raw: bytes, what: str, max_depth: int) -> dict[str, Any]:
+    """``raw`` (UTF-8 JSON) as a dict (anything else: ``{}``, which the caller's checks refuse).
+
+    ``what`` names it in errors. Raises :class:`CorruptCheckpointError` for malformed JSON or
+    JSON nested deeper than ``max_depth``.
+    """
+    try:
+        fields = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CorruptCheckpointError(
+            f"{what}: unreadable or malformed JSON: {type(e).__name__}: {e}"
+        ) from None
+    if too_deep(fields, max_depth):
+        raise CorruptCheckpointError(f"{what}: nested more than {max_depth} levels")
+    return fields if isinstance(fields, dict) else {}
+
+
 def read_sidecar(meta_path: str) -> CheckpointInfo:
     """Read and validate the sidecar at ``meta_path``; its data file is not looked at.
 
@@ -211,18 +228,7 @@ def read_sidecar(meta_path: str) -> CheckpointInfo:
         raise CorruptCheckpointError(
             f"sidecar {meta_path}: larger than {MAX_SIDECAR_BYTES} bytes, not read"
         )
-    try:
-        fields = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise CorruptCheckpointError(
-            f"sidecar {meta_path}: unreadable or malformed JSON: {type(e).__name__}: {e}"
-        ) from None
-    if too_deep(fields, MAX_SIDECAR_DEPTH):
-        raise CorruptCheckpointError(
-            f"sidecar {meta_path}: nested more than {MAX_SIDECAR_DEPTH} levels"
-        )
-    if not isinstance(fields, dict):
-        fields = {}
+    fields = decode_json(raw, f"sidecar {meta_path}", MAX_SIDECAR_DEPTH)
     problem = _sidecar_problem(fields, meta_path)
     if problem is not None:
         raise CorruptCheckpointError(f"sidecar {meta_path}: {problem}")

@@ -219,60 +219,22 @@ ALLOWED_GLOBALS: frozenset[str] = frozenset(
 
 # -- torch.distributed.checkpoint's .metadata ------------------------------------------------
 
-DCP_METADATA_OPCODES: frozenset[str] = frozenset(
-    {
-        # framing (protocol 4)
-        "PROTO",
-        "FRAME",
-        "STOP",
-        # globals (a STACK_GLOBAL only with literal operands, see _scan) and applying them
-        "GLOBAL",
-        "STACK_GLOBAL",
-        "REDUCE",
-        "NEWOBJ",
-        "BUILD",
-        # scalars, strings and bytes
-        "NONE",
-        "NEWTRUE",
-        "NEWFALSE",
-        "BININT",
-        "BININT1",
-        "BININT2",
-        "LONG1",
-        "BINFLOAT",
-        "SHORT_BINUNICODE",
-        "BINUNICODE",
-        "BINUNICODE8",
-        "SHORT_BINBYTES",
-        "BINBYTES",
-        # containers
-        "MARK",
-        "EMPTY_TUPLE",
-        "TUPLE",
-        "TUPLE1",
-        "TUPLE2",
-        "TUPLE3",
-        "EMPTY_LIST",
-        "APPEND",
-        "APPENDS",
-        "EMPTY_DICT",
-        "SETITEM",
-        "SETITEMS",
-        "EMPTY_SET",
-        "ADDITEMS",
-        "FROZENSET",
-        # the memo
-        "MEMOIZE",
-        "BINPUT",
-        "LONG_BINPUT",
-        "BINGET",
-        "LONG_BINGET",
-    }
-)
+DCP_METADATA_OPCODES: frozenset[str] = (ALLOWED_OPCODES - {"BINPERSID", "SHORT_BINSTRING"}) | {
+    "FRAME",  # protocol 4's framing
+    "STACK_GLOBAL",  # only with literal operands, see _scan
+    "MEMOIZE",
+    "SHORT_BINUNICODE",
+    "BINUNICODE8",
+    "SHORT_BINBYTES",
+    "BINBYTES",
+    "ADDITEMS",
+    "FROZENSET",
+}
 """The opcodes a DCP ``.metadata`` may use: what ``pickle.dump`` (protocol 4) writes for plain
-data and objects. Refused, for example: ``INST``/``OBJ`` (build a class named inline),
-``NEWOBJ_EX``, ``EXT1/2/4``, ``PERSID``/``BINPERSID``, out-of-band buffers, stack juggling
-(``POP``, ``DUP``) and the text opcodes of protocol 0."""
+data and objects (the weights-only set, less persistent ids and Python 2 strings, plus protocol
+4's framing, memo and string opcodes). Refused, for example: ``INST``/``OBJ`` (build a class
+named inline), ``NEWOBJ_EX``, ``EXT1/2/4``, ``PERSID``/``BINPERSID``, out-of-band buffers, stack
+juggling (``POP``, ``DUP``) and the text opcodes of protocol 0."""
 
 _DCP_METADATA_CLASSES = (
     "torch.distributed.checkpoint.filesystem._StorageInfo",

@@ -13,16 +13,8 @@ import shutil
 import stat
 
 from . import commit
-from .files import kind
+from .files import fsync_directory, kind
 from .format import SIDECAR_SUFFIX, CheckpointError, parse_data_name
-
-
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unlink_if_present(path: str) -> None:
@@ -49,13 +41,13 @@ def remove_checkpoint(path: str) -> None:
         if not stat.S_ISDIR(st.st_mode):
             raise CheckpointError(f"{path} is {kind(st.st_mode)}, not a checkpoint directory")
         _unlink_if_present(os.path.join(path, commit.COMMIT_NAME))
-        _fsync_directory(path)
+        fsync_directory(path)
         shutil.rmtree(path)
-        _fsync_directory(directory)
+        fsync_directory(directory)
         return
     if parse_data_name(name) is None:
         raise CheckpointError(f"{path} is not named like a checkpoint; not removed")
     _unlink_if_present(path + SIDECAR_SUFFIX)
-    _fsync_directory(directory)
+    fsync_directory(directory)
     _unlink_if_present(path)
-    _fsync_directory(directory)
+    fsync_directory(directory)
