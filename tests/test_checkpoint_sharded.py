@@ -8,6 +8,7 @@ a small MLP under ``fully_shard``); the in-process tests write a one-rank sharde
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -140,6 +141,19 @@ def test_async_saves_commit_what_was_staged_with_the_worst_grade(tmp_path: Path)
         _load(tmp_path / "a" / "out" / "saved-step4.pt"),
         _load(tmp_path / "b" / "out" / "resumed.pt"),
     )
+    # the plan's optimizer reset and LR scale, as on the replicated path
+    plan = dataclasses.replace(_plan(listed[0]), reset_optimizer=True, lr_scale=0.5)
+    report = tmp_path / "c" / "rep"
+    runs, _ = _job(tmp_path / "c", 1, "--steps", "5", "--report", f"jsonl://{report}", plan=plan)
+    assert runs[0].returncode == 0, runs[0].stdout[-2000:]
+    saved = _load(tmp_path / "a" / "out" / "saved-step4.pt")
+    fresh = _load(tmp_path / "c" / "out" / "resumed.pt")
+    assert all(torch.equal(t, fresh["model"][k]) for k, t in saved["model"].items())
+    for moments in fresh["optimizer"].values():  # never loaded: as a fresh optimizer has them
+        assert not moments["exp_avg"].any() and not moments["exp_avg_sq"].any()
+    (resumed,) = [m for m in read_jsonl(Path(f"{report}.rank0.jsonl")) if m["type"] == "resumed"]
+    assert resumed["optimizer_reset"] is True and resumed["lr_scale"] == 0.5
+    assert resumed["from_step"] == 5 and resumed["checkpoint"] == listed[0].path
 
 
 def test_a_request_the_ranks_see_at_different_steps_is_answered_at_one_step(
