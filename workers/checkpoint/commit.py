@@ -36,7 +36,13 @@ import re
 from typing import Any
 
 from .files import open_regular
-from .format import MAX_FIELD_INT, CheckpointInfo, CorruptCheckpointError, decode_json
+from .format import (
+    MAX_FIELD_INT,
+    CheckpointInfo,
+    CorruptCheckpointError,
+    decode_json,
+    header_problem,
+)
 
 SHARDED_FORMAT = "spikeguard-sharded-checkpoint"
 SHARDED_FORMAT_VERSION = 1
@@ -129,14 +135,11 @@ def _files_problem(files: Any) -> str | None:
 
 def _marker_problem(fields: dict[str, Any], directory: str) -> str | None:
     """What is wrong with a marker's decoded ``fields``, or None if nothing is."""
-    if fields.get("format") != SHARDED_FORMAT:
-        return f"not a {SHARDED_FORMAT} commit marker"
-    if fields.get("version") != SHARDED_FORMAT_VERSION:
-        return f"unsupported format version {fields.get('version')!r}"
-    for key in _INT_FIELDS:
-        value = fields.get(key)
-        if type(value) is not int or not 0 <= value <= MAX_FIELD_INT:
-            return "step, generation or world_size is not an int in 0..2^53"
+    problem = header_problem(
+        fields, SHARDED_FORMAT, SHARDED_FORMAT_VERSION, _INT_FIELDS, "commit marker"
+    )
+    if problem is not None:
+        return problem
     if fields["world_size"] < 1:
         return "world_size is 0"
     if not isinstance(fields.get("meta"), dict):

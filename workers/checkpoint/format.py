@@ -173,16 +173,30 @@ def sidecar_text(info: CheckpointInfo) -> str:
     return json.dumps(fields, indent=1, sort_keys=True) + "\n"
 
 
-def _sidecar_problem(fields: dict[str, Any], meta_path: str) -> str | None:
-    """What is wrong with a sidecar's decoded ``fields``, or None if nothing is."""
-    if fields.get("format") != CHECKPOINT_FORMAT:
-        return f"not a {CHECKPOINT_FORMAT} sidecar"
-    if fields.get("version") != CHECKPOINT_FORMAT_VERSION:
+def header_problem(
+    fields: dict[str, Any], fmt: str, version: int, int_fields: tuple[str, ...], what: str
+) -> str | None:
+    """What is wrong with the format, version and integer fields of a decoded sidecar or commit
+    marker (``what`` names it), or None."""
+    if fields.get("format") != fmt:
+        return f"not a {fmt} {what}"
+    if fields.get("version") != version:
         return f"unsupported format version {fields.get('version')!r}"
-    for key in _INT_FIELDS:
+    for key in int_fields:
         value = fields.get(key)
         if type(value) is not int or not 0 <= value <= MAX_FIELD_INT:
-            return "step, generation, rank or size is not an int in 0..2^53"
+            names = ", ".join(int_fields[:-1]) + f" or {int_fields[-1]}"
+            return f"{names} is not an int in 0..2^53"
+    return None
+
+
+def _sidecar_problem(fields: dict[str, Any], meta_path: str) -> str | None:
+    """What is wrong with a sidecar's decoded ``fields``, or None if nothing is."""
+    problem = header_problem(
+        fields, CHECKPOINT_FORMAT, CHECKPOINT_FORMAT_VERSION, _INT_FIELDS, "sidecar"
+    )
+    if problem is not None:
+        return problem
     if not _SHA256_RE.fullmatch(str(fields.get("sha256"))):
         return "field 'sha256' is not a sha256 hex digest"
     if not isinstance(fields.get("meta"), dict):

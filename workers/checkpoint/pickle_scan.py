@@ -248,32 +248,12 @@ _DCP_METADATA_CLASSES = (
     "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
 )
 
-# The dtypes a DCP checkpoint can hold (torch 2.13 refuses to plan the sub-byte integers and
-# quantized types).
-_DCP_DTYPES = (
-    "torch.bfloat16",
-    "torch.bool",
-    "torch.complex128",
-    "torch.complex32",
-    "torch.complex64",
-    "torch.float16",
-    "torch.float32",
-    "torch.float4_e2m1fn_x2",
-    "torch.float64",
-    "torch.float8_e4m3fn",
-    "torch.float8_e4m3fnuz",
-    "torch.float8_e5m2",
-    "torch.float8_e5m2fnuz",
-    "torch.float8_e8m0fnu",
-    "torch.int8",
-    "torch.int16",
-    "torch.int32",
-    "torch.int64",
-    "torch.uint8",
-    "torch.uint16",
-    "torch.uint32",
-    "torch.uint64",
+# torch 2.13's DCP refuses to plan the sub-byte integers, the bit types and the quantized types.
+_NOT_IN_DCP = frozenset(
+    [f"torch.{sign}int{bits}" for sign in ("", "u") for bits in range(1, 8)]
+    + [d for d in _DTYPES if d.startswith(("torch.bits", "torch.qint", "torch.quint"))]
 )
+_DCP_DTYPES = tuple(d for d in _DTYPES if d not in _NOT_IN_DCP)
 
 DCP_METADATA_GLOBALS: frozenset[str] = frozenset(
     _DCP_METADATA_CLASSES
