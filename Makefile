@@ -16,7 +16,9 @@ TYPED := -p spikeguard.supervisor.recovery -p spikeguard.workers.contract -p spi
 	-m spikeguard.supervisor.launch.topology \
 	-m spikeguard.supervisor.forensics -m spikeguard.supervisor.status \
 	-m spikeguard.supervisor.observe.metrics -m spikeguard.supervisor.observe.svg \
-	-m spikeguard.workers.batches
+	-m spikeguard.workers.batches \
+	-m spikeguard.workers.checkpoint.commit -m spikeguard.workers.checkpoint.retention \
+	-m spikeguard.workers.checkpoint.remove -m spikeguard.supervisor.checkpoint_table
 
 .PHONY: demo test setup lint typecheck clean
 

@@ -2,9 +2,9 @@
 
 The rank side is the real SDK (``spikeguard.workers.attach`` on the example's GPT, reporting
 over a Unix socket as under the supervisor). The supervisor side is the real agent reader
-(the rank agent's report socket, :class:`spikeguard.supervisor.launch.agent._Process`) in its own process,
-drained by a poll every 250 ms as the controller does. Two variants, alternated round by round
-in one run:
+(the rank agent's report socket, ``spikeguard.supervisor.launch.agent._Process``) in its own
+process, drained by a poll every 250 ms as the controller does. Two variants, alternated round
+by round in one run:
 
 * ``attached``  the reader reads and is polled;
 * ``stalled``   the reader process is SIGSTOPped for the whole phase: nothing reads, the socket

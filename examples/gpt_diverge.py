@@ -46,7 +46,8 @@ from spikeguard.examples.model import GPT
 STABLE_FACTOR = 0.1
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The example's arguments (``fsdp_diverge.py`` adds its own to them)."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -109,7 +110,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-bytes", type=int, default=DEFAULT_MAX_BYTES)
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda uses nccl)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(
+    argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
+    """The parsed arguments (``parser``: :func:`build_parser`'s, possibly extended)."""
+    args = (parser or build_parser()).parse_args(argv)
     if args.lr_peak is None:
         args.lr_peak = 0.15
     if args.stable:
@@ -166,13 +174,15 @@ class NullSession:
     def should_skip(self, step: int, batch_ids: object = None) -> bool:
         return False
 
-    def should_checkpoint(self, step: int, every: int | None = None) -> bool:
+    def should_checkpoint(
+        self, step: int, every: int | None = None, collective: bool = False
+    ) -> bool:
         return False
 
     def step(self, **kw) -> None:
         pass
 
-    def save_checkpoint(self, state, step: int) -> None:
+    def save_checkpoint(self, state, step: int, **kw) -> None:
         pass
 
     def close(self) -> None:

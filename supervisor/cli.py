@@ -181,6 +181,41 @@ def _event_line(ev: dict[str, Any], described: str) -> str:
     return f"{seq_text} {when} {ev.get('kind')!s:<17}{inc}  {described}"
 
 
+def _checkpoints(args: argparse.Namespace) -> int:
+    """Every checkpoint of a run: on disk (verified unless --no-verify) and deleted (journal)."""
+    from spikeguard.workers.checkpoint import select
+
+    from .checkpoint_table import render, rows
+    from .journal import read_events
+
+    run = Path(args.run_dir)
+    ckpt_dir = run / "checkpoints"
+    if not ckpt_dir.is_dir() and not (run / "journal.jsonl").exists():
+        print(
+            f"spikeguard: no run in {args.run_dir} (no checkpoints/, no journal.jsonl)",
+            file=sys.stderr,
+        )
+        return ExitCode.BAD_INPUT
+    listed = select.list_checkpoints(ckpt_dir)
+    verified: dict[str, str | None] | None = None
+    if not args.no_verify:
+        verified = {}
+        for info in listed:
+            try:
+                select.verify(info)
+                verified[info.path] = None
+            except select.CheckpointError as e:
+                verified[info.path] = str(e)
+    events = read_events(run) if (run / "journal.jsonl").exists() else []
+    table = rows(listed, listed.problems, listed.incomplete, verified, events)
+    if args.json:
+        for row in table:
+            print(json.dumps(row.to_dict()))
+    else:
+        print(render(table))
+    return ExitCode.OK
+
+
 def _stop(args: argparse.Namespace) -> int:
     """Write STOP only for a live supervisor; a finished run or a dead supervisor is said so."""
     from .journal import read_events
@@ -287,6 +322,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="only events of this kind (repeatable): " + ", ".join(k.value for k in Kind),
     )
     s.set_defaults(func=_events)
+    s = sub.add_parser(
+        "checkpoints",
+        help="every checkpoint of a run: kind, ranks, grade, size, verified or not, retention",
+        description="Lists RUN_DIR/checkpoints (each one verified: sizes, sha256, pickle scan) "
+        "and the checkpoints retention deleted, with the reason (from the journal).",
+    )
+    s.add_argument("run_dir")
+    s.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
+    s.add_argument("--no-verify", action="store_true", help="list only (no hashing)")
+    s.set_defaults(func=_checkpoints)
     s = sub.add_parser(
         "stop",
         help="ask a running supervisor to stop its job",

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from spikeguard.workers.checkpoint import select
+from spikeguard.workers.checkpoint import remove, retention, select
 
 from . import forensics, rundir
 from . import recovery as rc
@@ -74,6 +74,7 @@ class Controller:
         on_output: Callable[[RankPoll], None] | None = None,
         standby: bool = False,
         batch_ids_wait_s: float = 10.0,
+        retention_settings: retention.RetentionSettings | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -109,6 +110,8 @@ class Controller:
         self.batch_ids_wait_s = batch_ids_wait_s
         """How long an incident's kill waits for the ranks' batch ids (0: it does not ask)."""
         self._batch_ids_requests = 0
+        self.retention = retention_settings
+        """None: never delete a checkpoint."""
         self.state = rc.State()
         self._preempt_reason: str | None = None
         self._awaited: tuple[int, float] | None = None
@@ -217,6 +220,7 @@ class Controller:
                 if self._awaited is not None and self._awaited[0] == request_id:
                     self._awaited = None
                 self._apply(saved)
+            self._retain()
         if msg["type"] == "exit":
             keys = ("step", "log_tail", "lost", "host")
             details: dict[str, Any] = {k: msg[k] for k in keys if k in msg}
@@ -391,6 +395,48 @@ class Controller:
             grade=chosen.grade,
             skipped=passed_over,
         )
+
+    def _retain(self) -> None:
+        """Delete what the retention settings do not keep (a pure decision over the listing;
+        the resume plan's checkpoint is never deleted), journaling each deletion."""
+        if self.retention is None:
+            return
+        listed = select.list_checkpoints(self.ckpt_dir)
+        plan = self.state.plan
+        protected = {plan.checkpoint} if plan is not None and plan.checkpoint else set()
+        verdicts = retention.decide(
+            listed,
+            listed.incomplete,
+            self.retention,
+            protected=protected,
+            lineage=self.state.lineage,
+            generation=self.state.generation,
+        )
+        inc = self.state.incident
+        for verdict in verdicts:
+            if verdict.keep:
+                continue
+            try:
+                remove.remove_checkpoint(verdict.path)
+            except (OSError, select.CheckpointError) as e:
+                print(f"spikeguard: could not delete checkpoint {verdict.path}: {e}", flush=True)
+                continue
+            self._event(
+                {
+                    "kind": Kind.CHECKPOINT_DELETED.value,
+                    "incident": inc.id if inc else None,
+                    "reason": verdict.reason,
+                    "path": verdict.path,
+                    "step": verdict.step,
+                    "generation": verdict.generation,
+                    "checkpoint_kind": verdict.kind,
+                    "complete": verdict.complete,
+                    "grade": verdict.grade,
+                    "loss": _jsonable(verdict.loss),
+                    "ranks": verdict.ranks,
+                    "bytes": verdict.size,
+                }
+            )
 
     def _launch(self, eff: rc.Launch) -> rc.Observation:
         """Wait the backoff, reap leftovers, write the plan and the fence, start the ranks."""

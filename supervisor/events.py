@@ -72,6 +72,9 @@ class Kind(str, enum.Enum):
     """The Slack thread of an incident (channel and ts), so a restarted supervisor continues it."""
     NOTIFY_UNDELIVERED = "notify_undelivered"
     """A notification that could not be delivered, and why."""
+    CHECKPOINT_DELETED = "checkpoint_deleted"
+    """Retention deleted a checkpoint (or an unfinished save): its path, step, generation, kind,
+    bytes and the reason (``spikeguard checkpoints RUN_DIR`` shows them)."""
 
     def __str__(self) -> str:
         return self.value

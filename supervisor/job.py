@@ -125,6 +125,28 @@ class NotifyJob(_Strict):
     """Slack on-call settings (None: console only)."""
 
 
+class CheckpointRetention(_Strict):
+    """Which checkpoints the supervisor keeps (replicated and sharded alike). It decides each
+    time a rank reports a new checkpoint; each deletion is journaled (``checkpoint_deleted``).
+    The checkpoint the current generation was launched from, or a pending relaunch will load,
+    is never deleted, nor one a numerical rollback could choose. The defaults keep at most
+    3 + 2 × 2 checkpoints, plus those within the policy's ``min_steps_back`` of the newest, plus
+    that one. Saves that never finished are removed once nothing can still write them."""
+
+    keep_last: int = Field(3, ge=1)
+    """The newest checkpoints on the run's lineage to keep, whatever their grade."""
+    keep_every: int | None = Field(None, ge=1)
+    """Also keep every checkpoint whose step is a multiple of this (an archive; None: none)."""
+    keep_healthy: int = Field(2, ge=0)
+    """The newest checkpoints graded at least ``min_grade`` to keep; when the policy rolls back
+    ``min_steps_back`` steps, also every such checkpoint within that many steps of the newest
+    one, and as many again before them."""
+    min_grade: int | None = Field(None, ge=0, le=7)
+    """What counts as healthy (None: the policy's ``recovery.min_grade``)."""
+    enabled: bool = True
+    """False: never delete a checkpoint (the disk use grows with the run)."""
+
+
 class JobSpec(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
     """Run name: letters, digits, ``.``, ``_``, ``-``."""
@@ -146,6 +168,8 @@ class JobSpec(_Strict):
     """Where the journal, reports, checkpoints and logs go (``{name}`` is substituted)."""
     checkpoint_every: int | None = Field(None, ge=1)
     """Checkpoint interval hint, exported as SPIKEGUARD_CKPT_EVERY for scripts that read it."""
+    checkpoints: CheckpointRetention = CheckpointRetention()
+    """Checkpoint retention: how many to keep, and which."""
     sample_every: int | None = Field(None, ge=1)
     """Probe interval override, exported as SPIKEGUARD_SAMPLE_EVERY."""
     policy: str = "default"

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from spikeguard.workers import contract
+from spikeguard.workers.checkpoint.retention import RetentionSettings
 from spikeguard.workers.contract.exitcodes import ExitCode
 
 from . import recovery as rc
@@ -122,6 +123,27 @@ def ticks(*hooks: Callable[[Any], None] | None) -> Callable[[Any], None]:
     return tick
 
 
+def retention_settings(job: JobSpec, policy: Any) -> RetentionSettings | None:
+    """The job's ``checkpoints`` settings, completed from the policy: healthy means graded at
+    least the policy's ``recovery.min_grade`` (unless the job says), and ``keep_healthy`` looks
+    back as far as the largest ``min_steps_back`` of its recover rules. None when disabled."""
+    spec = job.checkpoints
+    if not spec.enabled:
+        return None
+    steps_back = [policy.recovery.min_steps_back]
+    for rule in policy.rules:
+        if rule.action == "recover":
+            steps_back.append(policy.recovery_for(rule).min_steps_back)
+    min_grade = spec.min_grade if spec.min_grade is not None else policy.recovery.min_grade
+    return RetentionSettings(
+        keep_last=spec.keep_last,
+        keep_every=spec.keep_every,
+        keep_healthy=spec.keep_healthy,
+        min_grade=min_grade,
+        min_steps_back=max(steps_back),
+    )
+
+
 def finished_outcome(events: list[dict[str, Any]]) -> rc.State | None:
     """The folded state if the journal ends the run (completed, failed, escalated, stopped)."""
     st = rc.fold(events)
@@ -228,6 +250,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
             ),
             standby=job.standby,
             batch_ids_wait_s=t.batch_ids_s,
+            retention_settings=retention_settings(job, policy),
         )
         if exporter is not None:
             exporter.clock = ctl.journal.mono  # heartbeat ages on the supervisor's clock

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -119,6 +121,58 @@ def toy_job(
         timeouts=t,
         **fields,
     )
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (for MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    """This process's environment (no SPIKEGUARD_* variable) plus the torchrun variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPIKEGUARD_")}
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        **extra,
+    )
+    return env
+
+
+def run_ranks(
+    script: str | Path, argv: list[str], world: int, timeout: float = 120, **extra: str
+) -> list[subprocess.CompletedProcess]:
+    """Run ``script argv`` as ``world`` real processes of one torch.distributed job (no
+    supervisor); return each rank's result (stdout and stderr together), killing leftovers."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *argv],
+            env=rank_env(r, world, port, **extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    out = []
+    try:
+        for p in procs:
+            stdout, _ = p.communicate(timeout=timeout)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, None))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -55,6 +55,10 @@ CONTROL_PLANE = [
     "spikeguard.workers.contract",
     "spikeguard.workers.checkpoint",
     "spikeguard.workers.checkpoint.select",
+    "spikeguard.workers.checkpoint.commit",
+    "spikeguard.workers.checkpoint.retention",
+    "spikeguard.workers.checkpoint.remove",
+    "spikeguard.supervisor.checkpoint_table",
 ]
 
 
@@ -94,6 +98,10 @@ PURE = [
     "spikeguard.policies",
     "spikeguard.workers.contract",
     "spikeguard.workers.checkpoint.select",
+    "spikeguard.workers.checkpoint.commit",
+    "spikeguard.workers.checkpoint.retention",
+    "spikeguard.workers.checkpoint.remove",
+    "spikeguard.supervisor.checkpoint_table",
 ]
 
 
@@ -109,7 +117,7 @@ def test_the_workers_never_import_ray_or_the_supervisor():
     import spikeguard.workers as sgw
     sgw.attach  # loads the torch side: session, probes, channel, signals
     import spikeguard.workers.checkpoint as ckpt
-    ckpt.write_checkpoint, ckpt.load_checkpoint
+    ckpt.write_checkpoint, ckpt.load_checkpoint, ckpt.ShardedWriter, ckpt.load_sharded
     bad = [m for m in sys.modules if m.startswith(("spikeguard.supervisor", "spikeguard.policies"))]
     assert not bad, bad
     """

@@ -69,6 +69,7 @@ EVENTS = [
     {"kind": "notify_thread", "incident": "inc-001", "channel": "C0ALERTS", "ts": "1.2"},
     {"kind": "notify_undelivered", "what": "inc-001 kill", "error": "HTTP 500"},
     {"kind": "rollback", "checkpoint_step": None, "reason": "no checkpoint graded >= S4"},
+    {"kind": "checkpoint_deleted", "step": 500, "generation": 2, "reason": "beyond keep_last 3"},
     {"kind": "something_new", "reason": "from a newer supervisor"},
 ]
 

@@ -10,65 +10,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "gpt_diverge.py"
 STEPS = 40
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPIKEGUARD_")}
-    env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-        **extra,
-    )
-    return env
-
-
 def _run(
     argv: list[str], world: int, timeout: float = 120, **extra: str
 ) -> list[subprocess.CompletedProcess]:
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), *argv],
-            env=_env(r, world, port, **extra),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    out = []
-    try:
-        for p in procs:
-            stdout, _ = p.communicate(timeout=timeout)
-            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, None))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    return run_ranks(SCRIPT, argv, world, timeout, **extra)
 
 
 def _read(path: Path) -> list[dict]:

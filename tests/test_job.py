@@ -50,6 +50,9 @@ def test_cli_overrides_replace_fields(tmp_path):
         ),
         (GOOD + "env:\n  HF_TOKEN: abc\n", 7, "secret"),
         (GOOD + "workers: 3\n", 6, "duplicate"),
+        (GOOD + "checkpoints:\n  keep_last: 0\n", 7, "keep_last"),
+        (GOOD + "checkpoints:\n  keep_evry: 100\n", 7, "keep_evry"),
+        (GOOD + "checkpoints:\n  min_grade: 9\n", 7, "min_grade"),
     ],
 )
 def test_bad_jobs_name_file_line_and_field(tmp_path, text, line, needle):
@@ -141,3 +144,20 @@ def test_every_slack_credential_shape_in_a_job_file_is_refused(tmp_path, value):
     msg = str(e.value)
     assert msg.startswith(f"{p}:7:") and "env.SOCKET_MODE" in msg, msg
     assert "secrets never go in a job file" in msg and value not in msg
+
+
+def test_checkpoint_retention_comes_from_the_job_and_the_policy(tmp_path):
+    from spikeguard.policies import load_policy
+    from spikeguard.supervisor.runner import retention_settings
+
+    text = GOOD + "checkpoints: {keep_last: 5, keep_every: 1000, keep_healthy: 1}\n"
+    job = load_job(write(tmp_path, text))
+    settings = retention_settings(job, load_policy("default"))
+    assert settings is not None
+    assert (settings.keep_last, settings.keep_every, settings.keep_healthy) == (5, 1000, 1)
+    # healthy as the policy says (S4), looking back as far as its rules roll back (200 steps)
+    assert (settings.min_grade, settings.min_steps_back) == (4, 200)
+    job = load_job(write(tmp_path, GOOD + "checkpoints: {min_grade: 6, enabled: false}\n"))
+    assert retention_settings(job, load_policy("default")) is None
+    job = load_job(write(tmp_path, GOOD + "checkpoints: {min_grade: 6}\n"))
+    assert retention_settings(job, load_policy("default")).min_grade == 6

@@ -19,9 +19,10 @@ def run(job) -> int:
 
 
 def story(run_dir: Path) -> list[dict]:
-    """The journal without the periodic probation reports (checked on their own)."""
+    """The journal without the periodic probation reports (checked on their own) and the
+    retention's deletions (bookkeeping)."""
     evs = read_jsonl(run_dir / "journal.jsonl")
-    return [e for e in evs if e["kind"] != "probation_progress"]
+    return [e for e in evs if e["kind"] not in ("probation_progress", "checkpoint_deleted")]
 
 
 def test_collapse_is_recovered_from_the_chosen_checkpoint_with_cut_lr_and_fresh_optimizer(

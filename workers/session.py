@@ -9,10 +9,17 @@ A training script adopts spikeguard in a few lines::
             continue
         ...forward/backward/optimizer.step()...
         sg.step(step=step, loss=loss.item(), grad_norm=gn, lr=lr, batch_ids=ids)
-        if step % 100 == 0 and rank == 0:
+        if sg.should_checkpoint(step, every=100) and rank == 0:
             sg.save_checkpoint({"model": model.state_dict(),
                                 "optimizer": optimizer.state_dict()}, step=step)
     sg.close()
+
+A sharded job (FSDP2, tensor parallel) saves on every rank instead, with
+``torch.distributed.checkpoint`` (see :meth:`Session.save_checkpoint`)::
+
+        if sg.should_checkpoint(step, every=100, collective=True):
+            msd, osd = get_state_dict(model, optimizer)
+            sg.save_checkpoint({"model": msd, "optimizer": osd}, step=step, sharded=True)
 
 Under the supervisor everything is configured by environment variables
 (:mod:`spikeguard.workers.contract`); without one the same script runs and
@@ -28,6 +35,7 @@ from __future__ import annotations
 import collections
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -108,6 +116,12 @@ class Session:
         """The batches the plan skips by id (loaded on first use); None: not loaded yet."""
         self._skip_by_steps = False
         """The plan's batch-ids file could not be read: its step window is skipped instead."""
+        self._agreed_request = 0
+        """The newest checkpoint request id the ranks agreed to answer
+        (``should_checkpoint(collective=True)``: the same on every rank, as it only ever comes
+        from a collective)."""
+        self._sharded: ckpt.ShardedWriter | None = None
+        self._send_lock = threading.Lock()
         self._send(
             "hello",
             world_size=self.world_size,
@@ -129,16 +143,17 @@ class Session:
             "t": time.time(),
         }
         msg.update(fields)
-        refused = getattr(self.channel, "dropped_unencodable", 0)
-        if self.channel.send(msg):
-            return True
-        if "extra" in msg and getattr(self.channel, "dropped_unencodable", 0) > refused:
-            # the user's extra metrics could not be encoded: keep the heartbeat (a rank whose
-            # every step is refused would look hung), say what was left out
-            del msg["extra"]
-            msg["extra_dropped"] = str(getattr(self.channel, "last_unencodable", "unencodable"))
-            return self.channel.send(msg)
-        return False
+        with self._send_lock:  # an asynchronous save's commit reports from its own thread
+            refused = getattr(self.channel, "dropped_unencodable", 0)
+            if self.channel.send(msg):
+                return True
+            if "extra" in msg and getattr(self.channel, "dropped_unencodable", 0) > refused:
+                # the user's extra metrics could not be encoded: keep the heartbeat (a rank whose
+                # every step is refused would look hung), say what was left out
+                del msg["extra"]
+                msg["extra_dropped"] = str(getattr(self.channel, "last_unencodable", "unencodable"))
+                return self.channel.send(msg)
+            return False
 
     def _arm(self, step: int) -> None:
         if step % self.sample_every == 0:
@@ -223,6 +238,8 @@ class Session:
                 continue
             if (kind, rid) in self._seen_requests:
                 continue
+            if kind == "checkpoint" and rid <= self._agreed_request:
+                continue  # answered already: another rank saw it first
             self._seen_requests.add((kind, rid))
             if kind == "checkpoint":
                 self._checkpoint_requests.append(rid)
@@ -247,7 +264,9 @@ class Session:
             )
         self._batch_requests = []
 
-    def should_checkpoint(self, step: int | None = None, *, every: int | None = None) -> bool:
+    def should_checkpoint(
+        self, step: int | None = None, *, every: int | None = None, collective: bool = False
+    ) -> bool:
         """True when a checkpoint is due at ``step``: every ``every`` steps (from step ``every``
         on), or because the supervisor asked for one (a policy ``checkpoint`` rule, or an
         emergency checkpoint before a preemption). Call it at the end of every step, on every
@@ -256,13 +275,37 @@ class Session:
             if sg.should_checkpoint(step, every=500) and rank == 0:
                 sg.save_checkpoint(state, step=step)
 
-        The next :meth:`save_checkpoint` answers the pending requests. Never blocks.
+        The next :meth:`save_checkpoint` answers the pending requests. Never blocks, unless
+        ``collective``.
+
+        ``collective=True`` (for sharded saves, where every rank must save at the same step):
+        the ranks agree on the supervisor's requests, so every rank gets the same answer at the
+        same step even though a request reaches the ranks at different times. It costs one
+        all-reduce of one integer per call on spikeguard's own gloo group (a few tens of
+        microseconds on one host), and every rank must call it at every step.
         """
         self._await_release()
         self._answer_batch_requests()  # takes the new requests too
+        if collective:
+            return self._should_checkpoint_collective(step, every)
         if self._checkpoint_requests:
             self._answering += self._checkpoint_requests
             self._checkpoint_requests = []
+            return True
+        s = self._step - 1 if step is None else int(step)
+        return bool(every) and s > 0 and s % int(every) == 0
+
+    def _should_checkpoint_collective(self, step: int | None, every: int | None) -> bool:
+        """The ranks agree on the newest request any of them has seen; answer every request up
+        to it (ids are the supervisor's request numbers: they only grow)."""
+        newest = max(self._checkpoint_requests, default=0)
+        agreed = self._sharded_writer().agree_max(newest)
+        if agreed > self._agreed_request:
+            self._answering += [r for r in self._checkpoint_requests if r <= agreed]
+            if agreed not in self._answering:
+                self._answering.append(agreed)  # another rank saw it first
+            self._checkpoint_requests = [r for r in self._checkpoint_requests if r > agreed]
+            self._agreed_request = agreed
             return True
         s = self._step - 1 if step is None else int(step)
         return bool(every) and s > 0 and s % int(every) == 0
@@ -326,31 +369,76 @@ class Session:
                 f"(current generation {current}); checkpoint refused"
             )
 
+    def _sharded_writer(self) -> ckpt.ShardedWriter:
+        if self._sharded is None:
+            self._sharded = ckpt.ShardedWriter()
+        return self._sharded
+
+    def _grade_meta(self) -> dict[str, Any]:
+        """This rank's grade, loss and signals of its latest sample, for a checkpoint."""
+        sample = self._last_sample or {}
+        summary = sample.get("summary", {})
+        grade = summary.get("grade")
+        return {
+            "loss": self._last_loss,
+            "grade": None if grade is None else int(grade),
+            "signals_step": sample.get("step"),
+            "summary": summary,
+        }
+
     def save_checkpoint(
-        self, state: dict[str, Any], *, step: int, **meta: Any
-    ) -> ckpt.CheckpointInfo:
+        self,
+        state: dict[str, Any],
+        *,
+        step: int,
+        sharded: bool = False,
+        async_save: bool = False,
+        **meta: Any,
+    ) -> ckpt.CheckpointInfo | ckpt.PendingSave:
         """Atomically write ``state`` with the grade metadata of the latest sample.
 
         The metadata records the per-layer grades/signals of the most recent
         sampled step (``signals_step``), the loss, the LR scale and the
         generation. Refused with :class:`StaleGenerationError` if fenced.
+
+        **Replicated** (the default): one rank (rank 0) writes ``state`` with ``torch.save``;
+        returns its :class:`~.checkpoint.CheckpointInfo`.
+
+        **Sharded** (``sharded=True``): every rank calls it at the same step with its own part
+        of the state (``{"model": msd, "optimizer": osd}`` from
+        ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` for FSDP2;
+        ``resume`` loads the keys ``model``, ``optimizer`` and ``scheduler``), and one
+        ``torch.distributed.checkpoint`` directory is written, each rank its shard. Each rank
+        contributes its own grade and loss; the checkpoint's grade is the worst rank's. The
+        checkpoint exists for the supervisor once rank 0 has written its commit marker, last,
+        with the sha256 of every file (see :mod:`.checkpoint.dcp_write`). Use
+        ``should_checkpoint(step, every=N, collective=True)`` to decide, so that a request of
+        the supervisor is answered by every rank at the same step. Returns the committed
+        :class:`~.checkpoint.CheckpointInfo` on every rank.
+
+        ``async_save=True`` (sharded only): ``torch.distributed.checkpoint.async_save`` copies
+        the state to CPU memory and returns; the write and the commit go on in a background
+        thread over spikeguard's own gloo group (created at the first sharded call, so the
+        background collectives never interleave with the training's), and a
+        :class:`~.checkpoint.PendingSave` is returned. Only one save is in flight: the next
+        ``save_checkpoint``, :meth:`wait_checkpoint` and :meth:`close` wait for it and raise its
+        error. The supervisor hears of the checkpoint when it is committed.
         """
         self._await_release()
         if not self.ckpt_dir:
             raise ValueError(
                 "no checkpoint directory: pass ckpt_dir= to attach() or set SPIKEGUARD_CKPT_DIR"
             )
+        if async_save and not sharded:
+            raise ValueError("async_save needs sharded=True (a replicated save is synchronous)")
+        if sharded:
+            return self._save_sharded(state, step=step, async_save=async_save, meta=meta)
         self._check_fence()
         os.makedirs(self.ckpt_dir, exist_ok=True)
-        sample = self._last_sample or {}
-        summary = sample.get("summary", {})
-        grade = summary.get("grade")
+        graded = self._grade_meta()
         full_meta = {
-            "loss": self._last_loss,
-            "grade": None if grade is None else int(grade),
-            "signals_step": sample.get("step"),
-            "summary": summary,
-            "layers": sample.get("layers", {}),
+            **graded,
+            "layers": (self._last_sample or {}).get("layers", {}),
             "lr_scale": self.lr_scale,
             "run": self.run_id,
             **meta,
@@ -378,6 +466,46 @@ class Session:
         )
         return info
 
+    def _save_sharded(
+        self, state: dict[str, Any], *, step: int, async_save: bool, meta: dict[str, Any]
+    ) -> ckpt.CheckpointInfo | ckpt.PendingSave:
+        """Every rank's part of a sharded save; rank 0 reports it once it is committed."""
+        assert self.ckpt_dir is not None
+        answered = self._answering + self._checkpoint_requests
+        self._answering, self._checkpoint_requests = [], []
+
+        def report(info: ckpt.CheckpointInfo) -> None:
+            self._send(
+                "checkpoint",
+                step=step,
+                path=info.path,
+                sha256=info.sha256,
+                grade=info.grade,
+                loss=info.meta.get("loss"),
+                requests=answered,
+                kind=info.kind,
+                world_size=info.world_size,
+            )
+
+        return self._sharded_writer().save(
+            self.ckpt_dir,
+            state,
+            step=step,
+            generation=self.generation,
+            rank_meta=self._grade_meta(),
+            meta={"lr_scale": self.lr_scale, "run": self.run_id, **meta},
+            fence=self._check_fence,
+            async_save=async_save,
+            on_commit=report,
+        )
+
+    def wait_checkpoint(self) -> ckpt.CheckpointInfo | None:
+        """Wait for the asynchronous sharded save in flight, if any: its checkpoint, or its
+        error (:class:`~.checkpoint.CheckpointError`)."""
+        if self._sharded is None:
+            return None
+        return self._sharded.wait()
+
     def resume(
         self,
         model: torch.nn.Module,
@@ -391,6 +519,12 @@ class Session:
         checkpoint has one, and installs the LR scale as optimizer step hooks so
         that it survives any LR schedule (manual or ``torch.optim.lr_scheduler``).
 
+        A sharded checkpoint (a ``.dcp`` directory) is loaded on every rank (call ``resume``
+        on every rank) into the FSDP2 model and optimizer as they are now sharded, whatever the
+        world size it was written with: its commit marker and every file are verified and its
+        ``.metadata`` scanned before ``torch.distributed.checkpoint`` reads anything (see
+        :mod:`.checkpoint.dcp_load`), then ``set_state_dict`` applies it.
+
         In a standby process (the job's ``standby: true``) this is where it waits for the
         supervisor's release, which brings the plan.
         """
@@ -399,7 +533,18 @@ class Session:
         if plan is None:
             return 0
         start = 0
-        if plan.checkpoint:
+        if plan.checkpoint and ckpt.is_sharded_path(plan.checkpoint):
+            info = ckpt.load_sharded(
+                plan.checkpoint,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                reset_optimizer=plan.reset_optimizer,
+                expected_sha256=plan.sha256,
+                writer=self._sharded_writer(),
+            )
+            start = info.step + 1
+        elif plan.checkpoint:
             state = ckpt.load_checkpoint(plan.checkpoint, expected_sha256=plan.sha256)
             model.load_state_dict(state["model"])
             if optimizer is not None and not plan.reset_optimizer and "optimizer" in state:
@@ -451,12 +596,21 @@ class Session:
         ]
 
     def close(self, timeout: float = 5.0) -> None:
-        """Say ``done``, flush the channel and remove hooks."""
+        """Wait for an asynchronous save in flight, say ``done``, flush the channel and remove
+        hooks; then raise that save's error, if it failed."""
+        failed: BaseException | None = None
+        if self._sharded is not None:
+            try:
+                self._sharded.close()
+            except Exception as e:
+                failed = e
         self._send("done")
         self.probes.remove()
         for h in self._hook_handles:
             h.remove()
         self.channel.close(timeout)
+        if failed is not None:
+            raise failed
 
 
 def attach(

@@ -307,6 +307,11 @@ def _notify_thread(f: _Fields) -> str:
     return f"{f.bold('Slack thread')} of {f.text('incident')}: {where}"
 
 
+def _checkpoint_deleted(f: _Fields) -> str:
+    what = f" of step {f.text('step')}, generation {f.text('generation')}"
+    return f.because(f.bold("Deleted checkpoint") + what)
+
+
 def _notify_undelivered(f: _Fields) -> str:
     line = f"{f.bold('Slack message undelivered')} ({f.text('what')})"
     return f.because(line, f.text("error"))
@@ -337,6 +342,7 @@ TEMPLATES: dict[Kind, Callable[[_Fields], str]] = {
     Kind.STANDBY: _standby,
     Kind.NOTIFY_THREAD: _notify_thread,
     Kind.NOTIFY_UNDELIVERED: _notify_undelivered,
+    Kind.CHECKPOINT_DELETED: _checkpoint_deleted,
 }
 """The template of each kind (every :class:`~..events.Kind` has one)."""
 

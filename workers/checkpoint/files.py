@@ -82,6 +82,15 @@ def open_regular(path: str) -> BinaryIO:
         raise
 
 
+def fsync_directory(directory: str) -> None:
+    """Make the entries of ``directory`` (a new, renamed or removed file) durable."""
+    fd = os.open(directory or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _is_link(path: str) -> bool:
     try:
         return stat.S_ISLNK(os.lstat(path).st_mode)

@@ -1,6 +1,8 @@
 """What a checkpoint looks like on disk. Torch-free.
 
-A checkpoint is two files in one directory:
+A replicated checkpoint (one rank's ``torch.save``) is two files in one directory (a sharded one,
+a ``torch.distributed.checkpoint`` directory with a commit marker, is described in
+:mod:`.commit`; both are a :class:`CheckpointInfo`):
 
 * the data file ``ckpt-step{step:08d}-gen{generation:03d}-rank{rank}.pt``, a ``torch.save`` zip
   that loads with ``weights_only=True``;
@@ -34,7 +36,7 @@ CHECKPOINT_FORMAT_VERSION = 1
 SIDECAR_SUFFIX = ".json"
 TMP_PREFIX = ".tmp-"
 
-_DATA_NAME_RE = re.compile(r"^ckpt-step\d+-gen\d+-rank\d+\.pt$")
+_DATA_NAME_RE = re.compile(r"^ckpt-step(\d+)-gen(\d+)-rank(\d+)\.pt$")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _INT_FIELDS = ("step", "generation", "rank", "size")
 
@@ -73,6 +75,17 @@ class CheckpointInfo:
     size: int
     meta: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False, compare=False)
     created: str = ""
+    kind: str = "replicated"
+    """``"replicated"``: one ``torch.save`` file and its sidecar (``path`` the file, ``meta_path``
+    the sidecar). ``"sharded"``: a ``torch.distributed.checkpoint`` directory (``path`` the
+    directory, ``meta_path`` its commit marker, ``sha256`` the marker's own checksum, ``size``
+    the bytes of every file it lists, ``rank`` 0); see :mod:`.commit`."""
+    world_size: int = 1
+    """How many ranks wrote it (1 for a replicated checkpoint)."""
+    files: tuple[tuple[str, str, int], ...] = dataclasses.field(
+        default=(), hash=False, compare=False
+    )
+    """A sharded checkpoint's files, as its commit marker lists them: (name, sha256, size)."""
 
     @property
     def grade(self) -> int | None:
@@ -92,18 +105,47 @@ class CheckpointInfo:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Incomplete:
+    """A save that never finished (or has not finished yet): a sharded checkpoint directory
+    without a commit marker, or a replicated data file without its sidecar."""
+
+    path: str
+    step: int
+    generation: int
+    kind: str
+    """``"sharded"`` or ``"replicated"``."""
+    size: int = 0
+    """Bytes on disk (what removing it frees)."""
+
+
 class CheckpointList(list[CheckpointInfo]):
     """:func:`~.select.list_checkpoints`'s result.
 
-    ``problems`` holds (path, reason) for each file that was skipped.
+    ``problems`` holds (path, reason) for each file that was skipped; ``incomplete`` the saves
+    among them that never finished (each also in ``problems``).
     """
 
     problems: list[tuple[str, str]]
+    incomplete: list[Incomplete]
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.problems = []
+        self.incomplete = []
 
 
 def checkpoint_name(step: int, generation: int, rank: int = 0) -> str:
     """The data file name of a checkpoint."""
     return f"ckpt-step{step:08d}-gen{generation:03d}-rank{rank}.pt"
+
+
+def parse_data_name(name: str) -> tuple[int, int, int] | None:
+    """(step, generation, rank) of a data file name, or None if ``name`` is not one."""
+    match = _DATA_NAME_RE.match(name)
+    if match is None:
+        return None
+    return int(match[1]), int(match[2]), int(match[3])
 
 
 def is_data_name(name: str) -> bool:
@@ -126,21 +168,35 @@ def sidecar_text(info: CheckpointInfo) -> str:
         "file": os.path.basename(info.path),
     }
     for key, value in dataclasses.asdict(info).items():
-        if key not in ("path", "meta_path"):
+        if key not in ("path", "meta_path", "kind", "world_size", "files"):
             fields[key] = value
     return json.dumps(fields, indent=1, sort_keys=True) + "\n"
 
 
-def _sidecar_problem(fields: dict[str, Any], meta_path: str) -> str | None:
-    """What is wrong with a sidecar's decoded ``fields``, or None if nothing is."""
-    if fields.get("format") != CHECKPOINT_FORMAT:
-        return f"not a {CHECKPOINT_FORMAT} sidecar"
-    if fields.get("version") != CHECKPOINT_FORMAT_VERSION:
+def header_problem(
+    fields: dict[str, Any], fmt: str, version: int, int_fields: tuple[str, ...], what: str
+) -> str | None:
+    """What is wrong with the format, version and integer fields of a decoded sidecar or commit
+    marker (``what`` names it), or None."""
+    if fields.get("format") != fmt:
+        return f"not a {fmt} {what}"
+    if fields.get("version") != version:
         return f"unsupported format version {fields.get('version')!r}"
-    for key in _INT_FIELDS:
+    for key in int_fields:
         value = fields.get(key)
         if type(value) is not int or not 0 <= value <= MAX_FIELD_INT:
-            return "step, generation, rank or size is not an int in 0..2^53"
+            names = ", ".join(int_fields[:-1]) + f" or {int_fields[-1]}"
+            return f"{names} is not an int in 0..2^53"
+    return None
+
+
+def _sidecar_problem(fields: dict[str, Any], meta_path: str) -> str | None:
+    """What is wrong with a sidecar's decoded ``fields``, or None if nothing is."""
+    problem = header_problem(
+        fields, CHECKPOINT_FORMAT, CHECKPOINT_FORMAT_VERSION, _INT_FIELDS, "sidecar"
+    )
+    if problem is not None:
+        return problem
     if not _SHA256_RE.fullmatch(str(fields.get("sha256"))):
         return "field 'sha256' is not a sha256 hex digest"
     if not isinstance(fields.get("meta"), dict):
@@ -149,6 +205,23 @@ def _sidecar_problem(fields: dict[str, Any], meta_path: str) -> str | None:
     if fields.get("file") != name or os.path.basename(meta_path) != name + SIDECAR_SUFFIX:
         return f"names {fields.get('file')!r} but its fields describe {name}"
     return None
+
+
+def decode_json(raw: bytes, what: str, max_depth: int) -> dict[str, Any]:
+    """``raw`` (UTF-8 JSON) as a dict (anything else: ``{}``, which the caller's checks refuse).
+
+    ``what`` names it in errors. Raises :class:`CorruptCheckpointError` for malformed JSON or
+    JSON nested deeper than ``max_depth``.
+    """
+    try:
+        fields = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CorruptCheckpointError(
+            f"{what}: unreadable or malformed JSON: {type(e).__name__}: {e}"
+        ) from None
+    if too_deep(fields, max_depth):
+        raise CorruptCheckpointError(f"{what}: nested more than {max_depth} levels")
+    return fields if isinstance(fields, dict) else {}
 
 
 def read_sidecar(meta_path: str) -> CheckpointInfo:
@@ -169,18 +242,7 @@ def read_sidecar(meta_path: str) -> CheckpointInfo:
         raise CorruptCheckpointError(
             f"sidecar {meta_path}: larger than {MAX_SIDECAR_BYTES} bytes, not read"
         )
-    try:
-        fields = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise CorruptCheckpointError(
-            f"sidecar {meta_path}: unreadable or malformed JSON: {type(e).__name__}: {e}"
-        ) from None
-    if too_deep(fields, MAX_SIDECAR_DEPTH):
-        raise CorruptCheckpointError(
-            f"sidecar {meta_path}: nested more than {MAX_SIDECAR_DEPTH} levels"
-        )
-    if not isinstance(fields, dict):
-        fields = {}
+    fields = decode_json(raw, f"sidecar {meta_path}", MAX_SIDECAR_DEPTH)
     problem = _sidecar_problem(fields, meta_path)
     if problem is not None:
         raise CorruptCheckpointError(f"sidecar {meta_path}: {problem}")

@@ -72,3 +72,13 @@ def _sha256(f: BinaryIO) -> tuple[str, int]:
         digest.update(chunk)
         n_bytes += len(chunk)
     return digest.hexdigest(), n_bytes
+
+
+def hash_file(path: str) -> tuple[str, int]:
+    """(hex sha256, size in bytes) of the regular file at ``path``, streamed in 1 MiB chunks.
+
+    Raises :class:`~.files.NotRegularFile` (a symlink, never followed; a FIFO...) or the
+    ``OSError`` of the open or a read.
+    """
+    with open_regular(path) as f:
+        return _sha256(f)

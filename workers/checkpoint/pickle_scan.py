@@ -1,4 +1,10 @@
-"""A static check of the pickle inside a ``torch.save`` checkpoint, without torch. Never runs it.
+"""A static check of the pickles in a checkpoint, without torch. Never runs them.
+
+Two kinds of pickle are checked: the one inside a ``torch.save`` zip (:func:`scan_checkpoint`,
+below), and the ``.metadata`` of a ``torch.distributed.checkpoint`` directory
+(:func:`scan_dcp_metadata`: DCP reads it with a plain ``pickle.load``, so the allowlist there is
+the exact set of classes torch 2.13's writer uses, :data:`DCP_METADATA_GLOBALS`, and the rank
+unpickles it with an unpickler that resolves nothing else; see :mod:`.dcp_load`).
 
 The real guard is on the rank: :func:`~.load.load_checkpoint` unpickles with
 ``torch.load(weights_only=True)``, whose unpickler implements a fixed set of opcodes and calls only
@@ -211,6 +217,59 @@ ALLOWED_GLOBALS: frozenset[str] = frozenset(
     _BUILTIN_GLOBALS + _TORCH_TYPES + _REBUILD_FUNCTIONS + _STORAGE_CLASSES + _DTYPES + _QSCHEMES
 )
 
+# -- torch.distributed.checkpoint's .metadata ------------------------------------------------
+
+DCP_METADATA_OPCODES: frozenset[str] = (ALLOWED_OPCODES - {"BINPERSID", "SHORT_BINSTRING"}) | {
+    "FRAME",  # protocol 4's framing
+    "STACK_GLOBAL",  # only with literal operands, see _scan
+    "MEMOIZE",
+    "SHORT_BINUNICODE",
+    "BINUNICODE8",
+    "SHORT_BINBYTES",
+    "BINBYTES",
+    "ADDITEMS",
+    "FROZENSET",
+}
+"""The opcodes a DCP ``.metadata`` may use: what ``pickle.dump`` (protocol 4) writes for plain
+data and objects (the weights-only set, less persistent ids and Python 2 strings, plus protocol
+4's framing, memo and string opcodes). Refused, for example: ``INST``/``OBJ`` (build a class
+named inline), ``NEWOBJ_EX``, ``EXT1/2/4``, ``PERSID``/``BINPERSID``, out-of-band buffers, stack
+juggling (``POP``, ``DUP``) and the text opcodes of protocol 0."""
+
+_DCP_METADATA_CLASSES = (
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+    "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+    "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
+    "torch.distributed.checkpoint.metadata.Metadata",
+    "torch.distributed.checkpoint.metadata.MetadataIndex",
+    "torch.distributed.checkpoint.metadata.StorageMeta",
+    "torch.distributed.checkpoint.metadata.TensorProperties",
+    "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
+    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+)
+
+# torch 2.13's DCP refuses to plan the sub-byte integers, the bit types and the quantized types.
+_NOT_IN_DCP = frozenset(
+    [f"torch.{sign}int{bits}" for sign in ("", "u") for bits in range(1, 8)]
+    + [d for d in _DTYPES if d.startswith(("torch.bits", "torch.qint", "torch.quint"))]
+)
+_DCP_DTYPES = tuple(d for d in _DTYPES if d not in _NOT_IN_DCP)
+
+DCP_METADATA_GLOBALS: frozenset[str] = frozenset(
+    _DCP_METADATA_CLASSES
+    + _DCP_DTYPES
+    + (
+        "pathlib.PosixPath",  # StorageMeta.checkpoint_id: the directory it was written to
+        "torch.Size",
+        "torch.serialization._get_layout",  # TensorProperties.layout, by name
+    )
+)
+"""The globals a DCP ``.metadata`` written by torch 2.13's ``FileSystemWriter`` names, found by
+writing real checkpoints (an FSDP2 model and optimizer, plain, empty, channels-last and 0-d
+tensors, every dtype, non-tensor values) and scanning them (``tests/test_checkpoint_sharded``
+checks the list is exactly that). Each one builds plain data: constructing it runs no code of
+the file's choosing."""
+
 # Module names as protocol 2 writes them -> as torch's unpickler reads them.
 _PY2_MODULES = {"__builtin__": "builtins"}
 
@@ -233,6 +292,63 @@ def _global_name(data: bytes, pos: int, where: str) -> str:
     return f"{module}.{name}"
 
 
+_STRING_PUSHES = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"})
+_MEMO_PUTS = frozenset({"MEMOIZE", "BINPUT", "LONG_BINPUT"})
+_MEMO_GETS = frozenset({"BINGET", "LONG_BINGET"})
+_NO_STACK_EFFECT = frozenset({"PROTO", "FRAME"})
+
+
+def _scan(
+    data: bytes, where: str, opcodes: frozenset[str], allowed: frozenset[str], reader: str
+) -> frozenset[str]:
+    """Check ``data`` against an opcode and a global allowlist; return the globals it names.
+
+    ``STACK_GLOBAL`` (protocol 4) takes its module and name from the stack; it is accepted only
+    when both are string literals, pushed by the two stack-changing opcodes right before it
+    (a string opcode, or a memo get of a slot that was filled with such a literal). Any other
+    way to compute the name is refused: this scan only names what it can read.
+    """
+    names: set[str] = set()
+    memo: dict[int, str | None] = {}
+    recent: list[str | None] = [None, None]  # what the last two stack pushes were, if literals
+    try:
+        for opcode, arg, pos in pickletools.genops(data):
+            name = opcode.name
+            if name not in opcodes:
+                raise UnsafeCheckpointError(
+                    f"{where}: pickle opcode {name} at byte {pos} is not one the {reader} "
+                    "unpickler supports"
+                )
+            if name in _NO_STACK_EFFECT:
+                continue
+            if name in _MEMO_PUTS:
+                index = len(memo) if name == "MEMOIZE" else int(arg)  # type: ignore[arg-type]
+                memo[index] = recent[-1]
+                continue
+            pushed: str | None = None
+            if name == "GLOBAL":
+                names.add(_global_name(data, pos or 0, where))
+            elif name == "STACK_GLOBAL":
+                module, attribute = recent
+                if module is None or attribute is None:
+                    raise UnsafeCheckpointError(
+                        f"{where}: STACK_GLOBAL at byte {pos} takes its module and name from "
+                        "something other than string literals"
+                    )
+                names.add(f"{_PY2_MODULES.get(module, module)}.{attribute}")
+            elif name in _STRING_PUSHES:
+                pushed = str(arg)
+            elif name in _MEMO_GETS:
+                pushed = memo.get(int(arg))  # type: ignore[arg-type]
+            recent = [recent[-1], pushed]
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{where}: undecodable pickle: {e}") from e
+    refused = sorted(names - allowed)
+    if refused:
+        raise UnsafeCheckpointError(f"{where} needs globals {reader} refuses: {refused}")
+    return frozenset(names)
+
+
 def scan_pickle(data: bytes, where: str = "pickle") -> frozenset[str]:
     """Check one pickle statically; return the globals it names (``"module.name"``).
 
@@ -241,22 +357,24 @@ def scan_pickle(data: bytes, where: str = "pickle") -> frozenset[str]:
     outside :data:`ALLOWED_GLOBALS` (naming all of them); :class:`CorruptCheckpointError` if
     ``pickletools`` cannot decode it. Nothing in ``data`` is imported, looked up or called.
     """
-    names: set[str] = set()
-    try:
-        for opcode, _arg, pos in pickletools.genops(data):
-            if opcode.name not in ALLOWED_OPCODES:
-                raise UnsafeCheckpointError(
-                    f"{where}: pickle opcode {opcode.name} at byte {pos} is not one the "
-                    "weights-only unpickler supports"
-                )
-            if opcode.name == "GLOBAL":
-                names.add(_global_name(data, pos or 0, where))
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{where}: undecodable pickle: {e}") from e
-    refused = sorted(names - ALLOWED_GLOBALS)
-    if refused:
-        raise UnsafeCheckpointError(f"{where} needs globals weights_only refuses: {refused}")
-    return frozenset(names)
+    return _scan(data, where, ALLOWED_OPCODES, ALLOWED_GLOBALS, "weights_only")
+
+
+def scan_dcp_metadata(data: bytes, where: str = ".metadata") -> frozenset[str]:
+    """Check a ``torch.distributed.checkpoint`` ``.metadata`` file's bytes statically.
+
+    DCP writes it with ``pickle.dump`` and reads it back with ``pickle.load``, which runs
+    whatever a crafted file names. This accepts only :data:`DCP_METADATA_OPCODES` and
+    :data:`DCP_METADATA_GLOBALS`; returns the globals named. Raises
+    :class:`UnsafeCheckpointError` (an opcode or a global outside them, a ``STACK_GLOBAL`` whose
+    name is computed, larger than :data:`MAX_PICKLE_BYTES`) or :class:`CorruptCheckpointError`
+    (undecodable). Nothing in ``data`` is imported, looked up or called.
+    """
+    if len(data) > MAX_PICKLE_BYTES:
+        raise UnsafeCheckpointError(
+            f"{where} is larger than the {MAX_PICKLE_BYTES} bytes this scan reads"
+        )
+    return _scan(data, where, DCP_METADATA_OPCODES, DCP_METADATA_GLOBALS, "DCP metadata")
 
 
 def _pickle_entry(archive: zipfile.ZipFile, where: str) -> zipfile.ZipInfo:

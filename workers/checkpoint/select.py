@@ -1,8 +1,11 @@
 """Finding, checking and choosing checkpoints. Torch-free: the supervisor uses it on a head node.
 
-* :func:`list_checkpoints` reads a directory's sidecars (cheap: no hashing);
+* :func:`list_checkpoints` reads a directory's sidecars and the commit markers of its sharded
+  checkpoints (cheap: no hashing);
 * :func:`verify` checks one data file's size and sha256 against its sidecar, then scans its pickle
   statically (:mod:`.pickle_scan`), so that a checkpoint the rank could not load is never chosen;
+  for a sharded checkpoint it checks the marker's checksum, every file it lists and scans the
+  DCP ``.metadata``;
 * :func:`on_lineage` says whether a checkpoint lies on the path the current launch descends from;
 * :func:`select_checkpoint` chooses the rollback target: the newest checkpoint that qualifies,
   with the reason each newer one was passed over.
@@ -14,18 +17,20 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from collections.abc import Callable, Sequence
 
-from . import pickle_scan
-from .files import NotRegularFile, lstat_regular
+from . import commit, pickle_scan
+from .files import NotRegularFile, kind, lstat_regular
 from .format import (
     SIDECAR_SUFFIX,
     CheckpointError,
     CheckpointInfo,
     CheckpointList,
     CorruptCheckpointError,
-    is_data_name,
+    Incomplete,
     is_sidecar_name,
+    parse_data_name,
     read_sidecar,
 )
 from .integrity import open_checked
@@ -58,19 +63,95 @@ def _read_listed(meta_path: str) -> CheckpointInfo:
     return info
 
 
+def _size_on_disk(path: str) -> int:
+    """Bytes of the regular files directly in ``path`` (0 if it cannot be listed)."""
+    total = 0
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+    except OSError:
+        return 0
+    return total
+
+
+def _read_sharded(directory: str) -> CheckpointInfo | None:
+    """The commit marker of ``directory``, checked against the sizes of the files it lists.
+
+    None when the directory has no marker (an incomplete save).
+    """
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise CorruptCheckpointError(
+            f"{directory} is {kind(st.st_mode)}, not a directory (never followed)"
+        )
+    try:
+        raw = commit.read_marker_bytes(directory)
+    except FileNotFoundError:
+        return None
+    info = commit.parse_marker(directory, raw)
+    for name, _sha, size in info.files:
+        path = os.path.join(directory, name)
+        try:
+            actual = lstat_regular(path).st_size
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{path}, listed in its commit marker, is missing"
+            ) from None
+        except OSError as e:  # NotRegularFile, EACCES...
+            raise CorruptCheckpointError(f"{path}: {e}") from None
+        if actual != size:
+            raise CorruptCheckpointError(
+                f"size mismatch: {path} has {actual} bytes, its commit marker says {size}"
+            )
+    return info
+
+
+def _list_one(found: CheckpointList, path: str, name: str, names: set[str]) -> None:
+    """Add the checkpoint (or the problem) ``name`` in the listed directory is, if any."""
+    sharded = commit.parse_sharded_name(name)
+    if sharded is not None:
+        info = _read_sharded(path)
+        if info is not None:
+            found.append(info)
+        else:
+            found.problems.append(
+                (path, "incomplete: no commit marker (interrupted or unfinished)")
+            )
+            size = _size_on_disk(path)
+            found.incomplete.append(Incomplete(path, sharded[0], sharded[1], "sharded", size))
+        return
+    replicated = parse_data_name(name)
+    if replicated is not None and name + SIDECAR_SUFFIX not in names:
+        found.problems.append((path, "data file without sidecar (interrupted write?)"))
+        try:
+            size = lstat_regular(path).st_size
+        except OSError:
+            size = 0
+        found.incomplete.append(Incomplete(path, replicated[0], replicated[1], "replicated", size))
+    if is_sidecar_name(name):
+        found.append(_read_listed(path))
+
+
 def list_checkpoints(directory: str | os.PathLike[str]) -> CheckpointList:
     """The published checkpoints in ``directory``, sorted by (step, generation, rank).
 
-    Cheap: reads sidecars and stats data files, never hashes, removes nothing. Never raises and
-    never blocks: malformed, oversized or inconsistent sidecars, missing data files, size
-    mismatches, anything that is not a regular file (a symlink is never followed; a FIFO is never
-    opened for a blocking read), files that cannot be read (EACCES, ELOOP, EIO...) and data files
-    without a sidecar (interrupted writes) go to the result's ``problems`` as (path, reason); so
-    does a directory that cannot be listed. A directory that does not exist holds no
-    checkpoints.
+    Replicated checkpoints are found by their sidecars, sharded ones by their directories'
+    commit markers. Cheap: reads sidecars and markers and stats the files they describe, never
+    hashes, removes nothing. Never raises and never blocks: malformed, oversized or inconsistent
+    sidecars and markers, missing files, size mismatches, anything that is not a regular file (a
+    symlink is never followed; a FIFO is never opened for a blocking read), files that cannot be
+    read (EACCES, ELOOP, EIO...), data files without a sidecar and sharded directories without a
+    commit marker (interrupted or unfinished saves, also in ``incomplete``) go to the result's
+    ``problems`` as (path, reason); so does a directory that cannot be listed. A directory that
+    does not exist holds no checkpoints.
     """
     found = CheckpointList()
-    found.problems = []
     try:
         names = set(os.listdir(directory))
     except FileNotFoundError:
@@ -80,12 +161,8 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> CheckpointList:
         return found
     for name in sorted(names):
         path = os.path.join(os.fspath(directory), name)
-        if is_data_name(name) and name + SIDECAR_SUFFIX not in names:
-            found.problems.append((path, "data file without sidecar (interrupted write?)"))
-        if not is_sidecar_name(name):
-            continue
         try:
-            found.append(_read_listed(path))
+            _list_one(found, path, name, names)
         except (CheckpointError, OSError) as e:
             found.problems.append((path, str(e)))
         except Exception as e:  # one odd file must never hide the others or stop a recovery
@@ -94,8 +171,35 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> CheckpointList:
     return found
 
 
+def verify_sharded(info: CheckpointInfo) -> CheckpointInfo:
+    """Check a sharded checkpoint: its marker, every file it lists, and DCP's ``.metadata``.
+
+    The marker is read again and must still have ``info.sha256`` (what a resume plan carries);
+    each file it lists must have its recorded size and sha256 (streamed); ``.metadata`` must
+    pass :func:`.pickle_scan.scan_dcp_metadata`. Returns the marker as read now. Raises
+    :class:`CorruptCheckpointError`, :class:`UnsafeCheckpointError` or :class:`CheckpointError`
+    as :func:`verify` does.
+    """
+    marker = commit.read_marker(info.path)
+    if marker.sha256 != info.sha256:
+        raise CorruptCheckpointError(
+            f"commit marker {marker.meta_path}: sha256 {marker.sha256}, expected {info.sha256} "
+            "(rewritten since it was listed?)"
+        )
+    for name, sha256, size in marker.files:
+        path = os.path.join(info.path, name)
+        try:
+            with open_checked(path, [("commit marker", sha256)], size) as f:
+                if name == commit.DCP_METADATA_NAME:
+                    pickle_scan.scan_dcp_metadata(f.read(pickle_scan.MAX_PICKLE_BYTES + 1), path)
+        except OSError as e:  # reading failed midway (EIO...): not the file's fault
+            raise CheckpointError(f"{path}: reading failed: {e}") from e
+    return marker
+
+
 def verify(info: CheckpointInfo) -> None:
-    """Check that ``info``'s data file is the one its sidecar describes, and loadable.
+    """Check that ``info``'s data file is the one its sidecar describes, and loadable (a sharded
+    checkpoint: :func:`verify_sharded`).
 
     Checks the recorded size and sha256 (streamed), then scans the pickle inside the file
     statically with :func:`.pickle_scan.scan_checkpoint` (nothing is run, torch is not needed), so
@@ -106,6 +210,9 @@ def verify(info: CheckpointInfo) -> None:
     not a ``torch.save`` zip), :class:`UnsafeCheckpointError` (an opcode or a global the
     unpickler refuses), or :class:`CheckpointError` (the file cannot be read for another reason).
     """
+    if info.kind == "sharded":
+        verify_sharded(info)
+        return
     try:
         with open_checked(info.path, [("sidecar", info.sha256)], info.size) as f:
             pickle_scan.scan_checkpoint(f, info.path)

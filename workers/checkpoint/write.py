@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..contract.messages import too_deep
+from .files import fsync_directory
 from .format import (
     MAX_FIELD_INT,
     MAX_SIDECAR_BYTES,
@@ -194,15 +195,6 @@ def _write_durable(
     return writer
 
 
-def _fsync_directory(directory: str) -> None:
-    """Make the directory entries in ``directory`` durable."""
-    fd = os.open(directory or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(tmp: str, final: str, created: list[str]) -> None:
     """Give the file ``tmp`` the name ``final``, never replacing an existing ``final``.
 
@@ -219,7 +211,7 @@ def _publish(tmp: str, final: str, created: list[str]) -> None:
     created.append(final)
     if os.path.lexists(tmp):
         os.unlink(tmp)
-    _fsync_directory(os.path.dirname(final))
+    fsync_directory(os.path.dirname(final))
 
 
 def _check_arguments(state: Any, meta: Any, step: Any, generation: Any, rank: Any) -> None:

@@ -14,7 +14,10 @@ everything with its own monotonic clock). Non-finite floats are written as JSON
                 value}} with the per-layer signals of :mod:`.signals`, and ``summary`` {signal:
                 value} aggregated over layers (:func:`.signals.summarize`) plus ``worst_layer``.
 ``checkpoint``  after a checkpoint is durable: ``path``, ``sha256``, ``grade`` (min over layers,
-                null if never sampled), ``loss``.
+                null if never sampled), ``loss``, ``requests`` (the supervisor's requests it
+                answers). A sharded checkpoint is reported once, by rank 0, when its commit
+                marker is durable: ``path`` is its directory, ``sha256`` the marker's, ``grade``
+                the worst rank's, plus ``kind`` (``"sharded"``) and ``world_size``.
 ``resumed``     after ``Session.resume`` applied a plan: ``from_step``, ``checkpoint``,
                 ``lr_scale``, ``optimizer_reset``, ``skip_ranges``.
 ``skipped``     a batch was skipped because its step is in a skip range.

@@ -1,0 +1,215 @@
+"""A sharded checkpoint on disk: a ``torch.distributed.checkpoint`` directory and its commit
+marker. Torch-free: the supervisor lists and verifies them with this.
+
+One directory per saved step, beside the replicated checkpoints::
+
+    checkpoints/ckpt-step00000550-gen002.dcp/
+        __0_0.distcp              rank 0's shard (DCP's FileSystemWriter names them)
+        __1_0.distcp              rank 1's shard
+        .metadata                 DCP's global metadata: a pickle (see pickle_scan)
+        spikeguard-commit.json    the commit marker, written last
+
+Every rank writes its own shard; rank 0 writes ``.metadata`` (DCP does both). Then each rank
+hashes its own files and the hashes are gathered on rank 0, which writes the commit marker: a
+JSON object with ``format`` (:data:`SHARDED_FORMAT`), ``version``, ``directory`` (the
+directory's name), ``step``, ``generation``, ``world_size``, ``created``, ``files`` (``{name:
+{"sha256": ..., "size": ...}}`` for every file DCP wrote, ``.metadata`` included) and ``meta``
+(``grade``: the worst rank's; ``ranks``: each rank's grade and loss; the worst rank's
+``summary``...). It goes to a temp file, is fsynced, renamed to :data:`COMMIT_NAME` and the
+directory is fsynced: a checkpoint exists once its marker does, and a directory without one is an
+interrupted (or still running) save that is never selected.
+
+The checkpoint's checksum (:attr:`~.format.CheckpointInfo.sha256`, what a resume plan carries)
+is the sha256 of the marker's bytes: the marker pins every other file.
+
+Object storage (``s3://…``) fits the same layout: one prefix per checkpoint, the marker a single
+object written last (a PUT is atomic there, so no rename is needed), and listing reads the
+markers under the checkpoint prefix. See the README's "Checkpoints" section for what is left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from typing import Any
+
+from .files import open_regular
+from .format import (
+    MAX_FIELD_INT,
+    CheckpointInfo,
+    CorruptCheckpointError,
+    decode_json,
+    header_problem,
+)
+
+SHARDED_FORMAT = "spikeguard-sharded-checkpoint"
+SHARDED_FORMAT_VERSION = 1
+SHARDED_SUFFIX = ".dcp"
+COMMIT_NAME = "spikeguard-commit.json"
+DCP_METADATA_NAME = ".metadata"
+
+MAX_MARKER_BYTES = 16 << 20
+"""A marker larger than this is refused unread (one for 4096 ranks is about 1 MiB)."""
+MAX_MARKER_DEPTH = 64
+"""A marker nesting lists and objects deeper than this is refused (a real one nests 5 deep)."""
+MAX_FILES = 1 << 20
+"""The most files a marker may list."""
+
+_DIR_NAME_RE = re.compile(r"^ckpt-step(\d+)-gen(\d+)\.dcp$")
+_FILE_NAME_RE = re.compile(r"^(\.metadata|[A-Za-z0-9_][A-Za-z0-9_.-]{0,250})$")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_INT_FIELDS = ("step", "generation", "world_size")
+
+
+def sharded_name(step: int, generation: int) -> str:
+    """The directory name of the sharded checkpoint of ``step`` written by ``generation``."""
+    return f"ckpt-step{step:08d}-gen{generation:03d}{SHARDED_SUFFIX}"
+
+
+def parse_sharded_name(name: str) -> tuple[int, int] | None:
+    """(step, generation) of a sharded checkpoint's directory name, or None if it is not one."""
+    match = _DIR_NAME_RE.match(name)
+    if match is None:
+        return None
+    return int(match[1]), int(match[2])
+
+
+def is_sharded_path(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names a sharded checkpoint (by its last component; nothing is read)."""
+    return parse_sharded_name(os.path.basename(os.path.normpath(os.fspath(path)))) is not None
+
+
+def valid_file_name(name: str) -> bool:
+    """Whether a marker may list ``name``: a plain name in the directory (no path, not the
+    marker itself)."""
+    return _FILE_NAME_RE.match(name) is not None and name != COMMIT_NAME
+
+
+def marker_text(
+    *,
+    directory_name: str,
+    step: int,
+    generation: int,
+    world_size: int,
+    files: dict[str, tuple[str, int]],
+    meta: dict[str, Any],
+    created: str,
+) -> str:
+    """The commit marker's content (sorted keys). ``files``: {name: (sha256, size)}."""
+    fields = {
+        "format": SHARDED_FORMAT,
+        "version": SHARDED_FORMAT_VERSION,
+        "directory": directory_name,
+        "step": step,
+        "generation": generation,
+        "world_size": world_size,
+        "created": created,
+        "files": {name: {"sha256": sha, "size": size} for name, (sha, size) in files.items()},
+        "meta": meta,
+    }
+    return json.dumps(fields, indent=1, sort_keys=True, allow_nan=True) + "\n"
+
+
+def _files_problem(files: Any) -> str | None:
+    """What is wrong with a marker's ``files`` object, or None."""
+    if not isinstance(files, dict) or not files:
+        return "field 'files' is not a non-empty object"
+    if len(files) > MAX_FILES:
+        return f"lists more than {MAX_FILES} files"
+    if DCP_METADATA_NAME not in files:
+        return f"does not list {DCP_METADATA_NAME}"
+    for name, entry in files.items():
+        if not valid_file_name(name):
+            return f"lists {name!r}, which is not a plain file name in the checkpoint directory"
+        if not isinstance(entry, dict):
+            return f"file {name!r}: not an object"
+        size = entry.get("size")
+        if type(size) is not int or not 0 <= size <= MAX_FIELD_INT:
+            return f"file {name!r}: size is not an int in 0..2^53"
+        if not _SHA256_RE.fullmatch(str(entry.get("sha256"))):
+            return f"file {name!r}: sha256 is not a sha256 hex digest"
+    return None
+
+
+def _marker_problem(fields: dict[str, Any], directory: str) -> str | None:
+    """What is wrong with a marker's decoded ``fields``, or None if nothing is."""
+    problem = header_problem(
+        fields, SHARDED_FORMAT, SHARDED_FORMAT_VERSION, _INT_FIELDS, "commit marker"
+    )
+    if problem is not None:
+        return problem
+    if fields["world_size"] < 1:
+        return "world_size is 0"
+    if not isinstance(fields.get("meta"), dict):
+        return "field 'meta' is not an object"
+    name = sharded_name(fields["step"], fields["generation"])
+    if fields.get("directory") != name or os.path.basename(directory) != name:
+        return f"names {fields.get('directory')!r} but its fields describe {name}"
+    return _files_problem(fields.get("files"))
+
+
+def read_marker_bytes(directory: str) -> bytes:
+    """The raw bytes of ``directory``'s commit marker (a regular file, never followed through a
+    symlink, never blocking). Raises ``FileNotFoundError`` when there is none (an incomplete
+    save), :class:`CorruptCheckpointError` when it cannot be read or is too large."""
+    path = os.path.join(directory, COMMIT_NAME)
+    try:
+        with open_regular(path) as f:
+            raw = f.read(MAX_MARKER_BYTES + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise CorruptCheckpointError(f"commit marker {path}: unreadable: {e}") from e
+    if len(raw) > MAX_MARKER_BYTES:
+        raise CorruptCheckpointError(
+            f"commit marker {path}: larger than {MAX_MARKER_BYTES} bytes, not read"
+        )
+    return raw
+
+
+def parse_marker(directory: str, raw: bytes) -> CheckpointInfo:
+    """The checkpoint the commit marker bytes ``raw`` of ``directory`` describe.
+
+    Raises :class:`CorruptCheckpointError` naming what is wrong: malformed JSON, nested deeper
+    than :data:`MAX_MARKER_DEPTH`, another format or version, a bad field, a file name that is
+    not a plain name, no ``.metadata``, or fields that describe another directory name.
+    """
+    path = os.path.join(directory, COMMIT_NAME)
+    fields = decode_json(raw, f"commit marker {path}", MAX_MARKER_DEPTH)
+    problem = _marker_problem(fields, directory)
+    if problem is not None:
+        raise CorruptCheckpointError(f"commit marker {path}: {problem}")
+    files = tuple(
+        (name, entry["sha256"], entry["size"]) for name, entry in sorted(fields["files"].items())
+    )
+    return CheckpointInfo(
+        path=directory,
+        meta_path=path,
+        step=fields["step"],
+        generation=fields["generation"],
+        rank=0,
+        sha256=hashlib.sha256(raw).hexdigest(),
+        size=sum(size for _, _, size in files),
+        meta=fields["meta"],
+        created=str(fields.get("created", "")),
+        kind="sharded",
+        world_size=fields["world_size"],
+        files=files,
+    )
+
+
+def read_marker(directory: str | os.PathLike[str]) -> CheckpointInfo:
+    """Read and validate ``directory``'s commit marker; the other files are not looked at.
+
+    Raises :class:`CorruptCheckpointError` (see :func:`parse_marker`; a missing marker too).
+    """
+    directory = os.fspath(directory)
+    try:
+        raw = read_marker_bytes(directory)
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(
+            f"{directory} has no commit marker (an interrupted or unfinished save): {e}"
+        ) from None
+    return parse_marker(directory, raw)
