@@ -14,7 +14,8 @@ import pytest
 from conftest import events, reports
 from spikeguard.workers import checkpoint as ckpt
 
-pytestmark = pytest.mark.slow
+# ~150 s on 2 idle cores; the budget leaves room for a loaded machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
 
