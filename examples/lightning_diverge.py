@@ -1,4 +1,4 @@
-"""The diverging GPT of ``gpt_diverge.py``, trained by a Lightning ``Trainer`` with spikeguard.
+"""The example GPT (``model.py``) trained by a Lightning ``Trainer``, with spikeguard.
 
 A ``LightningModule`` around the example's byte-level GPT (built from the arguments, random
 weights, no downloads), trained with ``strategy="ddp"`` over gloo on CPU. The only spikeguard
@@ -13,12 +13,13 @@ environment, which Lightning recognises (``TorchElasticEnvironment``): ``devices
 ``num_nodes`` are taken from ``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE``, and Lightning launches
 nothing itself. Alone, ``python examples/lightning_diverge.py`` trains one process.
 
-Data: the stdlib's own ``*.py`` bytes (:mod:`.data`), batch ``step`` of rank ``r`` drawn from
-``(seed, step, r)``. The training dataloader starts at ``trainer.global_step``: Lightning builds it
-after restoring a checkpoint, so a rollback replays exactly the batches that followed it.
-Recipe: the LR schedule of ``gpt_diverge.py`` (geometric warm-up to ``--lr-peak``, cosine decay;
-``LambdaLR`` stepped every optimizer step), AdamW, no clipping. The defaults are a shorter run of
-a smaller model than ``gpt_diverge.py``'s, on a warm-up that ends past the stability edge.
+Data: synthetic (:class:`MarkovBatches`, a random Markov chain: learnable, no downloads), the batch
+of step ``s`` on rank ``r`` drawn from ``(seed, s, r)``. The training dataloader starts at
+``trainer.global_step``: Lightning builds it after restoring a checkpoint, so a rollback replays
+exactly the batches that followed it. Recipe: the LR schedule of ``gpt_diverge.py`` (geometric
+warm-up to ``--lr-peak``, then cosine decay; a ``LambdaLR`` stepped every optimizer step), AdamW,
+no clipping; run to the end of the warm-up (``--steps 300``) the attention entropy starts to
+fall by itself.
 
 ``SG_COLLAPSE_AT=STEP`` injects a collapse from that step on in the first generation (the job file
 sets it): the supervisor rolls back into the Lightning checkpoint before it, with the LR cut and a
