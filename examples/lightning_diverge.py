@@ -36,6 +36,7 @@ from collections.abc import Iterator
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from spikeguard.examples import gpt_diverge
 from spikeguard.examples.gpt_diverge import lr_at
 from spikeguard.examples.model import GPT
 from spikeguard.workers.integrations.lightning import SpikeguardCallback
@@ -50,28 +51,25 @@ COLLAPSE_FACTOR = 1.5
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The example's arguments."""
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument("--steps", type=int, default=600, help="total optimizer steps")
-    p.add_argument("--seed", type=int, default=0, help="init and data seed")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=64, help="tokens (bytes) per sequence")
+    """``gpt_diverge.py``'s arguments (the same recipe flags), the model's size, shorter defaults.
+
+    Of those, the SDK's (``--report``, ``--ckpt-dir``, ``--sample-every``, ``--ckpt-every``,
+    ``--no-sdk``), the recipe's and ``--qk-norm``, ``--beta2``, ``--weight-decay``,
+    ``--log-every``, ``--threads`` apply; the loop's own (``--metrics``, ``--logit-every``,
+    ``--nan-patience``, ``--data-bytes``, ``--device``) do not: Lightning runs the loop.
+    """
+    p = gpt_diverge.build_parser()
+    p.description = __doc__.split("\n\n")[0]
     p.add_argument("--d-model", type=int, default=64, help="model width")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--lr-start", type=float, default=1e-3, help="LR at step 0")
-    p.add_argument("--lr-peak", type=float, default=0.15, help="LR at the end of the warm-up")
-    p.add_argument("--warmup", type=int, default=300, help="geometric warm-up steps")
-    p.add_argument("--final-frac", type=float, default=0.1, help="final LR / peak (cosine)")
-    p.add_argument("--sample-every", type=int, default=25, help="probe interval")
-    p.add_argument("--checkpoint-every", type=int, default=50, help="checkpoint interval")
-    p.add_argument("--ckpt-dir", default=None, help="without a supervisor: checkpoint directory")
-    p.add_argument("--report", default="off", help='without a supervisor: "jsonl:///path"')
-    p.add_argument("--log-every", type=int, default=50, help="rank-0 progress interval")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
+    p.set_defaults(steps=600, warmup=300, batch=8, sample_every=25, ckpt_every=50, log_every=50)
     return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed arguments (``--lr-peak`` and ``--stable`` as in ``gpt_diverge.py``)."""
+    return gpt_diverge.parse_args(argv, build_parser())
 
 
 class MarkovBatches:
@@ -121,7 +119,11 @@ class GPTModule(L.LightningModule):
         self.collapse_at = int(at) if at and generation <= 1 else None
         torch.manual_seed(args.seed)
         self.model = GPT(
-            seq_len=args.seq, d_model=args.d_model, n_layer=args.layers, n_head=args.heads
+            seq_len=args.seq,
+            d_model=args.d_model,
+            n_layer=args.layers,
+            n_head=args.heads,
+            qk_norm=args.qk_norm,
         )
 
     def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
@@ -142,7 +144,10 @@ class GPTModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict:
         optimizer = torch.optim.AdamW(
-            self.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.0
+            self.parameters(),
+            lr=1.0,
+            betas=(0.9, self.args.beta2),
+            weight_decay=self.args.weight_decay,
         )
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, self.args))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -164,19 +169,18 @@ class GPTModule(L.LightningModule):
             print(f"step {step:5d} loss {float(outputs['loss']):.4f} lr {lr:.3e}", flush=True)
 
 
-def trainer_for(args: argparse.Namespace, callback: SpikeguardCallback) -> L.Trainer:
+def trainer_for(args: argparse.Namespace, callback: SpikeguardCallback | None) -> L.Trainer:
     """A CPU trainer: DDP over gloo across the ranks torchrun's variables describe (one process
     alone)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    multi = world > 1
     return L.Trainer(
         accelerator="cpu",
         devices=local,
         num_nodes=world // local,
-        strategy=DDPStrategy(process_group_backend="gloo") if multi else "auto",
+        strategy=DDPStrategy(process_group_backend="gloo") if world > 1 else "auto",
         max_steps=args.steps,
-        callbacks=[callback],
+        callbacks=[] if callback is None else [callback],
         logger=False,
         enable_checkpointing=False,  # spikeguard's callback saves the checkpoints it grades
         enable_progress_bar=False,
@@ -187,17 +191,19 @@ def trainer_for(args: argparse.Namespace, callback: SpikeguardCallback) -> L.Tra
 
 def main(argv: list[str] | None = None, module_class: type[GPTModule] = GPTModule) -> int:
     """Train (every rank); ``module_class`` lets a test subclass the module."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     module = module_class(args)
-    callback = SpikeguardCallback(
-        sample_every=args.sample_every,
-        checkpoint_every=args.checkpoint_every,
-        ckpt_dir=args.ckpt_dir,
-        report=args.report,
-    )
+    callback = None
+    if not args.no_sdk:
+        callback = SpikeguardCallback(
+            sample_every=args.sample_every,
+            checkpoint_every=args.ckpt_every,
+            ckpt_dir=args.ckpt_dir,
+            report=args.report,
+        )
     trainer = trainer_for(args, callback)
-    trainer.fit(module, ckpt_path=callback.ckpt_path(module))
+    trainer.fit(module, ckpt_path=None if callback is None else callback.ckpt_path(module))
     if trainer.is_global_zero:
         print(f"finished: global_step {trainer.global_step}", flush=True)
     return 0

@@ -28,14 +28,14 @@ TINY = ["--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "4"]
 def _fit(tmp: Path, monkeypatch: pytest.MonkeyPatch, steps: int) -> list[dict[str, Any]]:
     """The example's module trained in this process for ``steps`` steps by a Trainer with the
     callback (checkpoints and samples every 5 steps); returns its reports."""
-    from spikeguard.examples.lightning_diverge import GPTModule, build_parser, trainer_for
+    from spikeguard.examples.lightning_diverge import GPTModule, parse_args, trainer_for
     from spikeguard.workers.integrations.lightning import SpikeguardCallback
 
     for name in [n for n in os.environ if n.startswith("SPIKEGUARD_")]:
         monkeypatch.delenv(name)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.setenv(name, "1" if "SIZE" in name else "0")
-    args = build_parser().parse_args(["--steps", str(steps), *TINY])
+    args = parse_args(["--steps", str(steps), *TINY])
     module = GPTModule(args)
     report = tmp / "reports.jsonl"
     callback = SpikeguardCallback(
@@ -196,12 +196,12 @@ def test_a_collapse_under_lightning_rolls_back_into_its_own_checkpoint(
     checkpoint -> both ranks resumed by ``trainer.fit(ckpt_path=...)`` at the cut LR, with fresh
     optimizer state, from the checkpoint's global step."""
     from spikeguard.examples.gpt_diverge import lr_at
-    from spikeguard.examples.lightning_diverge import build_parser
+    from spikeguard.examples.lightning_diverge import parse_args
     from spikeguard.supervisor.job import JobSpec
     from spikeguard.supervisor.runner import run_job
 
     steps, collapse_at = 60, 35
-    argv = ["--steps", str(steps), "--sample-every", "5", "--checkpoint-every", "10", *TINY]
+    argv = ["--steps", str(steps), "--sample-every", "5", "--ckpt-every", "10", *TINY]
     argv += ["--log-every", "0"]
     observed = tmp_path / "observed"
     job = JobSpec(
@@ -247,7 +247,7 @@ def test_a_collapse_under_lightning_rolls_back_into_its_own_checkpoint(
     # the resumed ranks' own account: Lightning restored the checkpoint's global_step, the
     # optimizer state it restored was dropped, the first step ran at half the schedule's LR with
     # AdamW's counter back at 1; and Lightning ran under torchrun's environment as spikeguard set it
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     for rank in (0, 1):
         seen = json.loads((observed / f"gen2-rank{rank}.json").read_text())
         assert seen["cluster_environment"] == "TorchElasticEnvironment" and seen["world_size"] == 2
