@@ -37,7 +37,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -104,6 +105,8 @@ class Session:
         self._last_loss: float | None = None
         self._last_sample: dict[str, Any] | None = None
         self._hook_handles: list[Any] = []
+        self._scaled: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        """Optimizers whose steps carry the LR scale's hooks."""
         self._checkpoint_requests: list[int] = []
         """Ids of the supervisor's checkpoint requests not yet seen by should_checkpoint."""
         self._answering: list[int] = []
@@ -213,6 +216,16 @@ class Session:
         self._step = s + 1
         self._arm(self._step)
         self._answer_batch_requests()
+
+    def pause_sampling(self) -> None:
+        """Stop the probes until :meth:`resume_sampling`: a framework's validation (or sanity
+        check) runs forward passes between training steps, which must not count as the next
+        step's sample."""
+        self.probes.disarm()
+
+    def resume_sampling(self) -> None:
+        """Arm the probes again for the next step, if it is a sampled one."""
+        self._arm(self._step)
 
     def _await_release(self) -> None:
         """In a standby process, wait here until the supervisor releases it (see
@@ -561,6 +574,53 @@ class Session:
             )
         if optimizer is not None:
             self._install_lr_scale(optimizer, plan.lr_scale)
+        self._announce_resume(plan, start, optimizer_reset=optimizer is not None)
+        return start
+
+    def launch_plan(self) -> contract.ResumePlan | None:
+        """The supervisor's plan for this launch (None: a fresh start), for a framework that loads
+        the checkpoint itself (see :meth:`resumed_by_framework`). In a standby process this is
+        where it waits for its release, which brings the plan."""
+        self._await_release()
+        return self.plan
+
+    def resumed_by_framework(
+        self, start: int, optimizers: Sequence[torch.optim.Optimizer], *, loaded: bool
+    ) -> None:
+        """Apply the rest of the plan after a training framework restored the plan's checkpoint
+        itself (Lightning's ``trainer.fit(ckpt_path=...)``), model, optimizer and scheduler state.
+
+        ``start`` is the first step the framework will train; ``loaded`` says whether it loaded
+        the plan's checkpoint (a plan that names one which was not loaded raises
+        :class:`~.checkpoint.CheckpointError`: training from scratch would pass for a rollback).
+        When the plan resets the optimizer, the state the framework restored into each of
+        ``optimizers`` is dropped (its hyper-parameters, and the scheduler's state, stay); the LR
+        scale is installed as step hooks on each (see :meth:`scale_lr`). Then the supervisor is
+        told, as :meth:`resume` tells it. Without a plan, only the step count is set.
+        """
+        self._await_release()
+        plan = self.plan
+        self._step = int(start)
+        self._arm(self._step)
+        if plan is None:
+            return
+        if plan.checkpoint and not loaded:
+            raise ckpt.CheckpointError(
+                f"the supervisor's plan resumes from {plan.checkpoint}, which the framework did "
+                "not load (pass the integration's checkpoint path to its resume call)"
+            )
+        if plan.reset_optimizer:
+            for optimizer in optimizers:
+                optimizer.state.clear()
+        self.lr_scale = float(plan.lr_scale)
+        for optimizer in optimizers:
+            self.scale_lr(optimizer)
+        self._announce_resume(plan, self._step, optimizer_reset=bool(optimizers))
+
+    def _announce_resume(
+        self, plan: contract.ResumePlan, start: int, *, optimizer_reset: bool
+    ) -> None:
+        """Start counting at ``start`` and send ``resumed``."""
         self._step = start
         self._arm(start)
         self._send(
@@ -569,16 +629,23 @@ class Session:
             from_step=start,
             checkpoint=plan.checkpoint,
             lr_scale=self.lr_scale,
-            optimizer_reset=bool(plan.reset_optimizer and optimizer is not None),
+            optimizer_reset=bool(plan.reset_optimizer and optimizer_reset),
             skip_ranges=[list(r) for r in plan.skip_ranges],
             **({} if self._standby_wait_s is None else {"standby_wait_s": self._standby_wait_s}),
         )
-        return start
 
     def _install_lr_scale(self, optimizer: torch.optim.Optimizer, scale: float) -> None:
         self.lr_scale = float(scale)
-        if scale == 1.0:
+        self.scale_lr(optimizer)
+
+    def scale_lr(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply the plan's LR scale to ``optimizer``'s steps: step pre/post hooks multiply each
+        group's ``lr`` for the step and put the schedule's value back after it, so the scale
+        survives any LR schedule. Once per optimizer (a second call does nothing); nothing at
+        scale 1."""
+        if self.lr_scale == 1.0 or optimizer in self._scaled:
             return
+        self._scaled.add(optimizer)
         saved: list[Any] = []
 
         def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
