@@ -135,7 +135,12 @@ def test_a_rank_that_never_sends_its_first_heartbeat_hits_the_first_heartbeat_ti
     fail_at(1, 0, "stall_start", gen=2)  # ...and in generation 2 rank 1 never starts
     job = toy_job(
         # 20 s: a loaded 2-core machine can take over 12 s to start a healthy rank
-        tmp_path, policy=POLICY, faults=fail_at, steps=60, heartbeat_s=3, first_heartbeat_s=20
+        tmp_path,
+        policy=POLICY,
+        faults=fail_at,
+        steps=60,
+        heartbeat_s=3,
+        first_heartbeat_s=20,
     )
     assert run(job) == 0
     evs = events(Path(job.run_dir))
