@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -97,6 +98,8 @@ class Session:
         self.plan = None if self._standby else contract.ResumePlan.from_env()
         self.lr_scale = 1.0
         self.probes = Probes(model, **(probe_patterns or {}))
+        self._qk_capture = _install_qk_capture(model)
+        """Whether the Hugging Face attention capture was installed for this model."""
         self.batch_ids: collections.deque[tuple[int, Any]] = collections.deque(
             maxlen=batch_ids_window
         )
@@ -606,11 +609,29 @@ class Session:
                 failed = e
         self._send("done")
         self.probes.remove()
+        if self._qk_capture:
+            from .integrations import hf_attention
+
+            hf_attention.uninstall()
+            self._qk_capture = False
         for h in self._hook_handles:
             h.remove()
         self.channel.close(timeout)
         if failed is not None:
             raise failed
+
+
+def _install_qk_capture(model: torch.nn.Module) -> bool:
+    """For a Hugging Face model, capture the exact Q and K its attention kernel receives (after
+    RoPE and QK-norm; see :mod:`.integrations.hf_attention`). False for any other model."""
+    if "transformers" not in sys.modules:
+        return False  # then it is no transformers model
+    from .integrations import hf_attention
+
+    if not hf_attention.is_hf_model(model):
+        return False
+    hf_attention.install()
+    return True
 
 
 def attach(
