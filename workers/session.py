@@ -562,21 +562,94 @@ class Session:
                 )
                 + 1
             )
+        self.resumed(
+            start,
+            optimizer=optimizer,
+            checkpoint=plan.checkpoint,
+            optimizer_reset=bool(plan.reset_optimizer and optimizer is not None),
+        )
+        return start
+
+    # -- for framework integrations (spikeguard.workers.integrations) ------------------------
+    def launch_plan(self) -> contract.ResumePlan | None:
+        """The supervisor's plan for this launch (a standby process waits for its release
+        here), or None without one. For integrations that resume through their framework."""
+        self._await_release()
+        return self.plan
+
+    def start_at(self, step: int) -> None:
+        """The next :meth:`step` will be ``step``: arm the probes for it if it is sampled."""
+        self._step = int(step)
+        self._arm(self._step)
+
+    def resumed(
+        self,
+        start: int,
+        *,
+        optimizer: torch.optim.Optimizer | None,
+        checkpoint: str | None,
+        optimizer_reset: bool,
+    ) -> None:
+        """Say the plan was applied: install its LR scale on ``optimizer`` (step hooks, so that
+        it survives any schedule), count steps from ``start``, send ``resumed``. :meth:`resume`
+        ends with it; an integration whose framework loaded ``checkpoint`` (and reset the
+        optimizer state, when ``optimizer_reset``) calls it itself."""
+        plan = self.plan
+        if plan is None:
+            return
         if optimizer is not None:
             self._install_lr_scale(optimizer, plan.lr_scale)
-        self._step = start
-        self._arm(start)
+        self.start_at(start)
         self._send(
             "resumed",
             step=start,
             from_step=start,
-            checkpoint=plan.checkpoint,
+            checkpoint=checkpoint,
             lr_scale=self.lr_scale,
-            optimizer_reset=bool(plan.reset_optimizer and optimizer is not None),
+            optimizer_reset=optimizer_reset,
             skip_ranges=[list(r) for r in plan.skip_ranges],
             **({} if self._standby_wait_s is None else {"standby_wait_s": self._standby_wait_s}),
         )
-        return start
+
+    def check_fence(self) -> None:
+        """Raise :class:`StaleGenerationError` if this rank's generation was replaced."""
+        self._check_fence()
+
+    def grade_meta(self) -> dict[str, Any]:
+        """This rank's grade, loss and signals of its latest sample (what a checkpoint records)."""
+        return {"rank": self.rank, **self._grade_meta()}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """The run's fields of a checkpoint's metadata (LR scale, run id)."""
+        return {"lr_scale": self.lr_scale, "run": self.run_id}
+
+    def report_checkpoint(self, info: ckpt.CheckpointInfo) -> None:
+        """Tell the supervisor about a checkpoint committed outside :meth:`save_checkpoint` (a
+        framework's own, committed by an integration); it answers the pending requests."""
+        self._take_requests()
+        answered = self._answering + self._checkpoint_requests
+        self._answering, self._checkpoint_requests = [], []
+        self._send(
+            "checkpoint",
+            step=info.step,
+            path=info.path,
+            sha256=info.sha256,
+            grade=info.grade,
+            loss=info.meta.get("loss"),
+            requests=answered,
+            kind=info.kind,
+            world_size=info.world_size,
+        )
+
+    def agree_max(self, value: int) -> int:
+        """The largest ``value`` any rank passes (a collective on spikeguard's own gloo group:
+        every rank calls it at the same point)."""
+        return self._sharded_writer().agree_max(value)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, by rank (a collective on spikeguard's own gloo group)."""
+        writer = self._sharded_writer()
+        return writer._all_gather(obj, writer._groups()[0])
 
     def _install_lr_scale(self, optimizer: torch.optim.Optimizer, scale: float) -> None:
         self.lr_scale = float(scale)
