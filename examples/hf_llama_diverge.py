@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         use_cpu=True,
         ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
         dataloader_num_workers=0,
+        ddp_find_unused_parameters=False,
         disable_tqdm=True,
         log_level="warning",
     )

@@ -204,7 +204,7 @@ class SpikeguardCallback(TrainerCallback):
             # a directory of this step from an abandoned generation: uncommitted while the
             # Trainer writes into it again (committed anew in on_save)
             directory = os.path.join(
-                args.output_dir, f"{_commit.TRAINER_PREFIX}{state.global_step}"
+                str(args.output_dir), f"{_commit.TRAINER_PREFIX}{state.global_step}"
             )
             if os.path.isdir(directory):
                 trainer_commit.retract(directory)
@@ -238,7 +238,7 @@ class SpikeguardCallback(TrainerCallback):
         self._flush()
         sg = self._sg()
         step = state.global_step
-        directory = os.path.join(args.output_dir, f"{_commit.TRAINER_PREFIX}{step}")
+        directory = os.path.join(str(args.output_dir), f"{_commit.TRAINER_PREFIX}{step}")
         ranks = sg.gather(sg.grade_meta())  # also waits for every rank's part of the save
         if not state.is_world_process_zero:
             return
