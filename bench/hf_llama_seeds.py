@@ -13,7 +13,7 @@ For each seed, ``examples/hf_llama_diverge.py`` runs
 Final loss: the mean of the last 50 steps' loss (rank 0's, in the generation that finished).
 
     python3 bench/hf_llama_seeds.py                      # seeds 0 1 2, both modes
-    python3 bench/hf_llama_seeds.py --seeds 0 --modes without
+    python3 bench/hf_llama_seeds.py --seeds 0 --modes without --world 1  # 1 process, batch 32
 """
 
 from __future__ import annotations
@@ -55,17 +55,19 @@ def _final(losses: list[float]) -> float:
     return sum(tail) / len(tail) if tail else math.nan
 
 
-def without(seed: int, tmp: Path, extra: list[str]) -> dict:
-    """One unsupervised 2-rank run: onset, min and final loss."""
+def without(seed: int, tmp: Path, extra: list[str], world: int = 2) -> dict:
+    """One unsupervised run on ``world`` ranks (1: one process with the 2-rank job's global
+    batch, 2 x 16, as ``bench/example_seeds.py`` does): onset, min and final loss."""
     metrics = tmp / f"without-{seed}.jsonl"
     port, t0 = _port(), time.time()
     argv = [sys.executable, str(EXAMPLE), "--no-sdk", "--seed", str(seed)]
     argv += ["--output-dir", str(tmp / f"out-{seed}"), "--save-steps", "100000"]
-    argv += ["--metrics", str(metrics), *extra]
+    argv += ["--metrics", str(metrics), *(["--batch", "32"] if world == 1 else []), *extra]
     procs = []
-    for rank in range(2):
+    for rank in range(world):
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPIKEGUARD_")}
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        env.update(LOCAL_WORLD_SIZE=str(world))
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL))
     codes = [p.wait() for p in procs]
@@ -73,7 +75,7 @@ def without(seed: int, tmp: Path, extra: list[str]) -> dict:
     losses, steps = [r["loss"] for r in rows], [r["step"] for r in rows]
     return {
         "seed": seed,
-        "mode": "without",
+        "mode": f"without ({world} rank{'s' if world > 1 else ''})",
         "onset": _first_spike(losses, steps),
         "min_loss": min(losses),
         "final_loss": _final(losses),
@@ -89,6 +91,7 @@ def with_spikeguard(seed: int, tmp: Path, extra: list[str]) -> dict:
     """One supervised run of the job with ``--seed``: its story from the journal."""
     job = yaml.safe_load(JOB.read_text())
     job["entrypoint"] = str(EXAMPLE)
+    job["policy"] = str(JOB.parent / job["policy"])
     job["args"] = [*job["args"], "--seed", str(seed), *extra]
     spec = tmp / f"job-{seed}.yaml"
     spec.write_text(yaml.safe_dump(job))
@@ -107,7 +110,7 @@ def with_spikeguard(seed: int, tmp: Path, extra: list[str]) -> dict:
     rollbacks = [e for e in events if e["kind"] == "rollback"]
     return {
         "seed": seed,
-        "mode": "with",
+        "mode": "with spikeguard (2 ranks)",
         "onset": None,
         "min_loss": min(m["loss"] for m in mine if m["loss"] is not None),
         "final_loss": _final([m["loss"] for m in mine if m["loss"] is not None]),
@@ -128,14 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--modes", nargs="+", default=["without", "with"])
+    p.add_argument("--world", type=int, default=2, help="ranks of the runs without spikeguard")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="example arguments")
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="hf-llama-seeds-") as d:
         for seed in args.seeds:
             for mode in args.modes:
-                run = without if mode == "without" else with_spikeguard
-                rows.append(run(seed, Path(d), args.extra))
+                if mode == "without":
+                    rows.append(without(seed, Path(d), args.extra, args.world))
+                else:
+                    rows.append(with_spikeguard(seed, Path(d), args.extra))
                 print(json.dumps(rows[-1]), flush=True)
     print(
         table(
