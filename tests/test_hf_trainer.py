@@ -21,30 +21,18 @@ from spikeguard.workers import checkpoint as ckpt
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 COLLAPSE_AT = 26
-POLICY = """
-version: 1
-name: hf-test
-warm_in: 0 steps
-rules:
-  - name: loss-spike
-    when: {signal: loss, above_median: 1.5, window: 10 steps}
-    for: 2 steps
-    action: recover
-  - name: non-finite-loss
-    when: loss is nonfinite
-    action: recover
-  - name: crash
-    when: crash
-    action: recover
-    recovery: {lr_factors: [1.0], reset_optimizer: false}
-recovery:
-  min_grade: S0  # any graded checkpoint: this 2-layer toy's residual grade is low from step 10
+TOY_POLICY = Path(__file__).parent / "data" / "toy_policy.yaml"
 
-  lr_factors: [0.5]
-  reset_optimizer: true
-  probation_steps: 10
-  max_attempts: 2
-"""
+
+def _policy(path: Path) -> Path:
+    """The toy policy with a short probation and ``min_grade`` S0: any graded checkpoint (this
+    2-layer toy's residual grade is low from step 10 on)."""
+    import yaml
+
+    doc = yaml.safe_load(TOY_POLICY.read_text())
+    doc["recovery"].update(min_grade="S0", probation_steps=10)
+    path.write_text(yaml.safe_dump(doc))
+    return path
 
 
 def test_trainer_callback_reports_grades_and_rolls_back_into_the_trainers_checkpoint(
@@ -53,8 +41,7 @@ def test_trainer_callback_reports_grades_and_rolls_back_into_the_trainers_checkp
     from spikeguard.supervisor.job import JobSpec
     from spikeguard.supervisor.runner import run_job
 
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(POLICY)
+    policy = _policy(tmp_path / "policy.yaml")
     observed = tmp_path / "observed"
     job = JobSpec(
         name="hf",

@@ -478,17 +478,7 @@ class Session:
         self._answering, self._checkpoint_requests = [], []
 
         def report(info: ckpt.CheckpointInfo) -> None:
-            self._send(
-                "checkpoint",
-                step=step,
-                path=info.path,
-                sha256=info.sha256,
-                grade=info.grade,
-                loss=info.meta.get("loss"),
-                requests=answered,
-                kind=info.kind,
-                world_size=info.world_size,
-            )
+            self._send_checkpoint(info, answered)
 
         return self._sharded_writer().save(
             self.ckpt_dir,
@@ -629,6 +619,10 @@ class Session:
         self._take_requests()
         answered = self._answering + self._checkpoint_requests
         self._answering, self._checkpoint_requests = [], []
+        self._send_checkpoint(info, answered)
+
+    def _send_checkpoint(self, info: ckpt.CheckpointInfo, answered: list[int]) -> None:
+        """The ``checkpoint`` message of a committed directory (sharded or a framework's)."""
         self._send(
             "checkpoint",
             step=info.step,
