@@ -132,10 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--modes", nargs="+", default=["without", "with"])
     p.add_argument("--world", type=int, default=2, help="ranks of the runs without spikeguard")
+    p.add_argument("--out", default=None, help="keep the runs here (default: a temp dir)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="example arguments")
     args = p.parse_args(argv)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="hf-llama-seeds-") as d:
+    with tempfile.TemporaryDirectory(prefix="hf-llama-seeds-") as tmp:
+        d = args.out or tmp
+        os.makedirs(d, exist_ok=True)
         for seed in args.seeds:
             for mode in args.modes:
                 if mode == "without":

@@ -71,7 +71,8 @@ def test_trainer_callback_reports_grades_and_rolls_back_into_the_trainers_checkp
     gen1 = [m for m in msgs if m["gen"] == 1 and m["type"] in ("heartbeat", "report")]
     for rank in (0, 1):
         steps = sorted(m["step"] for m in gen1 if m["rank"] == rank)
-        assert steps[:COLLAPSE_AT] == list(range(1, COLLAPSE_AT + 1)), (rank, steps)
+        # (a killed rank's last queued messages may die with it: the steps well before)
+        assert set(range(1, 21)) <= set(steps), (rank, steps)
         assert all(m["loss"] is not None and m["lr"] is not None for m in gen1 if m["step"] < 20)
     sampled = [m for m in gen1 if m["type"] == "report"]
     assert {m["step"] for m in sampled} >= {5, 10, 15, 20}
