@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from spikeguard.workers.checkpoint import commit
 from spikeguard.workers.checkpoint.format import SIDECAR_SUFFIX, CheckpointInfo, Incomplete
 
 from .events import Kind
@@ -55,6 +56,9 @@ def _parse_name(path: str) -> tuple[int | None, int | None, str]:
     if name.endswith(SIDECAR_SUFFIX):
         name = name[: -len(SIDECAR_SUFFIX)]
     match = _NAME_RE.match(name)
+    trainer_step = commit.parse_trainer_name(name)
+    if trainer_step is not None:
+        return trainer_step, None, commit.TRAINER_LAYOUT
     if match is None:
         return None, None, "?"
     kind = "sharded" if name.endswith(".dcp") else "replicated"

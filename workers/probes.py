@@ -40,6 +40,10 @@ matching modules only (a module whose ancestor already matched is skipped), so
        most recent LMs) must use record_qk** to get true entropies. Once a module
        has called record_qk, its projection capture is switched off; ``attention=()``
        turns projection capture off everywhere (record_qk keeps working).
+    3. Hugging Face models (automatic, through :func:`~spikeguard.workers.session.attach`):
+       :mod:`spikeguard.workers.integrations.hf_attention` wraps transformers' attention
+       functions and calls ``record_qk`` with the exact Q, K, mask and scaling each attention
+       module hands its kernel (after RoPE and QK-norm), no edits to the model.
 
     Attention is taken as causal (``causal=True``; pass ``causal=False`` for
     encoders / ViTs, or per call to ``record_qk``).
@@ -89,16 +93,18 @@ def record_qk(
     *,
     causal: bool | None = None,
     scale: float | None = None,
+    mask: torch.Tensor | None = None,
 ) -> None:
     """Hand the SDPA inputs of ``module`` (``[batch, heads, seq, head_dim]``) to every armed Probes.
 
     A no-op (one list test) when nothing is armed. ``causal``/``scale`` default to
-    the Probes' ``causal`` and ``1/sqrt(head_dim)``.
+    the Probes' ``causal`` and ``1/sqrt(head_dim)``; ``mask`` is the kernel's ``attn_mask``
+    (boolean or additive, see :func:`.signals.attention_stats`), which replaces ``causal``.
     """
     if not _ARMED:
         return
     for probes in tuple(_ARMED):
-        probes.record_qk(module, q, k, causal=causal, scale=scale)
+        probes.record_qk(module, q, k, causal=causal, scale=scale, mask=mask)
 
 
 def _select(
@@ -377,6 +383,7 @@ class Probes:
         *,
         causal: bool | None = None,
         scale: float | None = None,
+        mask: torch.Tensor | None = None,
     ) -> None:
         """Attention signals of ``module`` from its SDPA inputs; no-op unless armed (see
         :func:`record_qk`)."""
@@ -388,7 +395,7 @@ class Probes:
         self._explicit.add(name)
         self._pending.pop(name, None)
         c = self.causal if causal is None else causal
-        self._run(name, "explicit", lambda: self._attention(q, k, causal=c, scale=scale))
+        self._run(name, "explicit", lambda: self._attention(q, k, causal=c, scale=scale, mask=mask))
 
     # -- hooks --------------------------------------------------------------------------
     def _hook(self, module: nn.Module, fn: Callable[..., None]) -> None:
@@ -471,7 +478,10 @@ class Probes:
         *,
         causal: bool | None = None,
         scale: float | None = None,
+        mask: torch.Tensor | None = None,
     ) -> dict[str, float]:
+        if mask is not None and mask.ndim == 4 and mask.shape[0] > 1:
+            mask = mask[: self.max_batch]
         stats = signals.attention_stats(
             q[: self.max_batch],
             k[: self.max_batch],
@@ -479,6 +489,7 @@ class Probes:
             max_queries=self.max_queries,
             generator=self._gen,
             scale=scale,
+            mask=mask,
         )
         stats.pop("head_entropy")
         return stats  # type: ignore[return-value]

@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -98,6 +99,8 @@ class Session:
         self.plan = None if self._standby else contract.ResumePlan.from_env()
         self.lr_scale = 1.0
         self.probes = Probes(model, **(probe_patterns or {}))
+        self._qk_capture = _install_qk_capture(model)
+        """Whether the Hugging Face attention capture was installed for this model."""
         self.batch_ids: collections.deque[tuple[int, Any]] = collections.deque(
             maxlen=batch_ids_window
         )
@@ -488,17 +491,7 @@ class Session:
         self._answering, self._checkpoint_requests = [], []
 
         def report(info: ckpt.CheckpointInfo) -> None:
-            self._send(
-                "checkpoint",
-                step=step,
-                path=info.path,
-                sha256=info.sha256,
-                grade=info.grade,
-                loss=info.meta.get("loss"),
-                requests=answered,
-                kind=info.kind,
-                world_size=info.world_size,
-            )
+            self._send_checkpoint(info, answered)
 
         return self._sharded_writer().save(
             self.ckpt_dir,
@@ -572,17 +565,54 @@ class Session:
                 )
                 + 1
             )
-        if optimizer is not None:
-            self._install_lr_scale(optimizer, plan.lr_scale)
-        self._announce_resume(plan, start, optimizer_reset=optimizer is not None)
+        self.resumed(
+            start,
+            optimizer=optimizer,
+            checkpoint=plan.checkpoint,
+            optimizer_reset=bool(plan.reset_optimizer and optimizer is not None),
+        )
         return start
 
+    # -- for framework integrations (spikeguard.workers.integrations) ------------------------
     def launch_plan(self) -> contract.ResumePlan | None:
-        """The supervisor's plan for this launch (None: a fresh start), for a framework that loads
-        the checkpoint itself (see :meth:`resumed_by_framework`). In a standby process this is
-        where it waits for its release, which brings the plan."""
+        """The supervisor's plan for this launch (a standby process waits for its release
+        here), or None without one. For integrations that resume through their framework."""
         self._await_release()
         return self.plan
+
+    def start_at(self, step: int) -> None:
+        """The next :meth:`step` will be ``step``: arm the probes for it if it is sampled."""
+        self._step = int(step)
+        self._arm(self._step)
+
+    def resumed(
+        self,
+        start: int,
+        *,
+        optimizer: torch.optim.Optimizer | None,
+        checkpoint: str | None,
+        optimizer_reset: bool,
+    ) -> None:
+        """Say the plan was applied: install its LR scale on ``optimizer`` (step hooks, so that
+        it survives any schedule), count steps from ``start``, send ``resumed``. :meth:`resume`
+        ends with it; an integration whose framework loaded ``checkpoint`` (and reset the
+        optimizer state, when ``optimizer_reset``) calls it itself."""
+        plan = self.plan
+        if plan is None:
+            return
+        if optimizer is not None:
+            self._install_lr_scale(optimizer, plan.lr_scale)
+        self.start_at(start)
+        self._send(
+            "resumed",
+            step=start,
+            from_step=start,
+            checkpoint=checkpoint,
+            lr_scale=self.lr_scale,
+            optimizer_reset=optimizer_reset,
+            skip_ranges=[list(r) for r in plan.skip_ranges],
+            **({} if self._standby_wait_s is None else {"standby_wait_s": self._standby_wait_s}),
+        )
 
     def resumed_by_framework(
         self, start: int, optimizers: Sequence[torch.optim.Optimizer], *, loaded: bool
@@ -600,8 +630,7 @@ class Session:
         """
         self._await_release()
         plan = self.plan
-        self._step = int(start)
-        self._arm(self._step)
+        self.start_at(start)
         if plan is None:
             return
         if plan.checkpoint and not loaded:
@@ -615,24 +644,56 @@ class Session:
         self.lr_scale = float(plan.lr_scale)
         for optimizer in optimizers:
             self.scale_lr(optimizer)
-        self._announce_resume(plan, self._step, optimizer_reset=bool(optimizers))
-
-    def _announce_resume(
-        self, plan: contract.ResumePlan, start: int, *, optimizer_reset: bool
-    ) -> None:
-        """Start counting at ``start`` and send ``resumed``."""
-        self._step = start
-        self._arm(start)
-        self._send(
-            "resumed",
-            step=start,
-            from_step=start,
+        self.resumed(
+            start,
+            optimizer=None,
             checkpoint=plan.checkpoint,
-            lr_scale=self.lr_scale,
-            optimizer_reset=bool(plan.reset_optimizer and optimizer_reset),
-            skip_ranges=[list(r) for r in plan.skip_ranges],
-            **({} if self._standby_wait_s is None else {"standby_wait_s": self._standby_wait_s}),
+            optimizer_reset=bool(plan.reset_optimizer and optimizers),
         )
+
+    def check_fence(self) -> None:
+        """Raise :class:`StaleGenerationError` if this rank's generation was replaced."""
+        self._check_fence()
+
+    def grade_meta(self) -> dict[str, Any]:
+        """This rank's grade, loss and signals of its latest sample (what a checkpoint records)."""
+        return {"rank": self.rank, **self._grade_meta()}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """The run's fields of a checkpoint's metadata (LR scale, run id)."""
+        return {"lr_scale": self.lr_scale, "run": self.run_id}
+
+    def report_checkpoint(self, info: ckpt.CheckpointInfo) -> None:
+        """Tell the supervisor about a checkpoint committed outside :meth:`save_checkpoint` (a
+        framework's own, committed by an integration); it answers the pending requests."""
+        self._take_requests()
+        answered = self._answering + self._checkpoint_requests
+        self._answering, self._checkpoint_requests = [], []
+        self._send_checkpoint(info, answered)
+
+    def _send_checkpoint(self, info: ckpt.CheckpointInfo, answered: list[int]) -> None:
+        """The ``checkpoint`` message of a committed directory (sharded or a framework's)."""
+        self._send(
+            "checkpoint",
+            step=info.step,
+            path=info.path,
+            sha256=info.sha256,
+            grade=info.grade,
+            loss=info.meta.get("loss"),
+            requests=answered,
+            kind=info.kind,
+            world_size=info.world_size,
+        )
+
+    def agree_max(self, value: int) -> int:
+        """The largest ``value`` any rank passes (a collective on spikeguard's own gloo group:
+        every rank calls it at the same point)."""
+        return self._sharded_writer().agree_max(value)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, by rank (a collective on spikeguard's own gloo group)."""
+        writer = self._sharded_writer()
+        return writer._all_gather(obj, writer._groups()[0])
 
     def _install_lr_scale(self, optimizer: torch.optim.Optimizer, scale: float) -> None:
         self.lr_scale = float(scale)
@@ -673,11 +734,29 @@ class Session:
                 failed = e
         self._send("done")
         self.probes.remove()
+        if self._qk_capture:
+            from .integrations import hf_attention
+
+            hf_attention.uninstall()
+            self._qk_capture = False
         for h in self._hook_handles:
             h.remove()
         self.channel.close(timeout)
         if failed is not None:
             raise failed
+
+
+def _install_qk_capture(model: torch.nn.Module) -> bool:
+    """For a Hugging Face model, capture the exact Q and K its attention kernel receives (after
+    RoPE and QK-norm; see :mod:`.integrations.hf_attention`). False for any other model."""
+    if "transformers" not in sys.modules:
+        return False  # then it is no transformers model
+    from .integrations import hf_attention
+
+    if not hf_attention.is_hf_model(model):
+        return False
+    hf_attention.install()
+    return True
 
 
 def attach(

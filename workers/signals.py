@@ -249,6 +249,7 @@ def attention_stats(
     max_queries: int = 64,
     generator: torch.Generator | None = None,
     scale: float | None = None,
+    mask: torch.Tensor | None = None,
 ) -> dict[str, float | list[float]]:
     """Attention-entropy signals from the query and key tensors of an SDPA call.
 
@@ -261,6 +262,12 @@ def attention_stats(
     never used), always including the last row. Logits are ``q k^T * scale``
     (default ``1/sqrt(head_dim)``); with ``causal`` query ``i`` sees keys ``<= i``
     (SDPA's ``is_causal``, top-left aligned).
+
+    ``mask`` (instead of ``causal``): the ``attn_mask`` the kernel got, broadcastable to
+    ``[batch, heads, seq_q, seq_k]``: boolean (True: the key is attended, SDPA's convention) or
+    additive float (added to the logits; a value below half the dtype's minimum masks the key,
+    as Hugging Face's eager masks do). Query rows that see no key at all (padding) are left out
+    of every mean.
 
     Returns ``attn_entropy_mean`` / ``attn_entropy_min`` (mean / min over heads of
     the per-head entropy, itself averaged over batch and sampled rows, in nats),
@@ -301,28 +308,57 @@ def attention_stats(
         logits = logits.reshape(b, hq, rows.numel(), sk) * (
             scale if scale is not None else dim**-0.5
         )
-        keys = torch.arange(sk, device=q.device)
-        if causal:
-            visible = keys[None, :] <= rows[:, None]  # [rows, sk]
-        else:
-            visible = torch.ones(rows.numel(), sk, dtype=torch.bool, device=q.device)
+        visible = _visible(rows, sk, causal, mask, q.device)  # [b|1, hq|1, rows, sk]
+        if mask is not None and mask.is_floating_point():
+            logits = logits + mask.detach().index_select(-2, rows).float()
         logits = logits.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        head_entropy = torch.special.entr(probs).sum(-1).mean(dim=(0, 2))  # [hq]
-        mean_log_keys = visible.sum(-1).to(_wide_dtype(q.device)).log().mean()
+        full = visible.expand(b, hq, rows.numel(), sk)
+        counts = full.sum(-1)  # [b, hq, rows]
+        seen = counts > 0
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+        row_entropy = torch.special.entr(probs).sum(-1)  # [b, hq, rows]
+        n_rows = seen.sum(dim=(0, 2)).clamp(min=1)
+        head_entropy = (row_entropy * seen).sum(dim=(0, 2)) / n_rows  # [hq]
+        log_keys = counts.clamp(min=1).to(_wide_dtype(q.device)).log()
+        mean_log_keys = (log_keys * seen).sum() / seen.sum().clamp(min=1)
         ent_min = head_entropy.min()
         norm = (
             ent_min.to(mean_log_keys.dtype) / mean_log_keys
             if float(mean_log_keys) > 0
             else torch.tensor(1.0)
         )
+        max_logit = logits.masked_fill(~full, float("-inf")).max()
         return {
             "attn_entropy_mean": float(head_entropy.mean().item()),
             "attn_entropy_min": float(ent_min.item()),
             "attn_entropy_min_norm": float(norm.item()),
-            "max_logit": float(logits.max().item()),
+            "max_logit": float(max_logit.item()),
             "head_entropy": [float(v) for v in head_entropy.tolist()],
         }
+
+
+def _visible(
+    rows: torch.Tensor,
+    sk: int,
+    causal: bool,
+    mask: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """Which keys each sampled query row attends to, ``[batch|1, heads|1, rows, sk]`` (bool)."""
+    if mask is None:
+        keys = torch.arange(sk, device=device)
+        if causal:
+            return (keys[None, :] <= rows[:, None])[None, None]
+        return torch.ones(1, 1, rows.numel(), sk, dtype=torch.bool, device=device)
+    m = mask.detach()
+    while m.ndim < 4:
+        m = m.unsqueeze(0)
+    if m.ndim != 4 or m.shape[-1] != sk:
+        raise ValueError(f"attention mask of shape {tuple(mask.shape)} does not fit {sk} keys")
+    m = m.index_select(-2, rows.to(m.device)).to(device)
+    if m.dtype == torch.bool:
+        return m
+    return m > torch.finfo(m.dtype).min / 2
 
 
 def logz_stats(logits: torch.Tensor, *, chunk_elements: int = 1 << 26) -> dict[str, float]:

@@ -22,6 +22,12 @@ interrupted (or still running) save that is never selected.
 The checkpoint's checksum (:attr:`~.format.CheckpointInfo.sha256`, what a resume plan carries)
 is the sha256 of the marker's bytes: the marker pins every other file.
 
+The same marker also commits a training framework's own checkpoint directory: a Hugging Face
+``Trainer``'s ``checkpoint-N`` (:data:`TRAINER_LAYOUT`). Its marker adds ``"layout":
+"hf-trainer"``, names the directory ``checkpoint-{step}`` (the generation is in the marker, not
+in the name), lists every file the Trainer wrote (no ``.metadata`` is required) and gives the
+checkpoint the kind ``"hf-trainer"``. A DCP marker has no ``layout`` field.
+
 Object storage (``s3://…``) fits the same layout: one prefix per checkpoint, the marker a single
 object written last (a PUT is atomic there, so no rename is needed), and listing reads the
 markers under the checkpoint prefix. See the README's "Checkpoints" section for what is left.
@@ -57,6 +63,12 @@ MAX_MARKER_DEPTH = 64
 MAX_FILES = 1 << 20
 """The most files a marker may list."""
 
+TRAINER_LAYOUT = "hf-trainer"
+"""The ``layout`` (and checkpoint kind) of a Hugging Face Trainer's ``checkpoint-N`` directory."""
+TRAINER_PREFIX = "checkpoint-"
+"""transformers' ``PREFIX_CHECKPOINT_DIR`` and its dash."""
+
+_TRAINER_NAME_RE = re.compile(r"^checkpoint-(\d{1,15})$")
 _DIR_NAME_RE = re.compile(r"^ckpt-step(\d+)-gen(\d+)\.dcp$")
 _FILE_NAME_RE = re.compile(r"^(\.metadata|[A-Za-z0-9_][A-Za-z0-9_.-]{0,250})$")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -74,6 +86,17 @@ def parse_sharded_name(name: str) -> tuple[int, int] | None:
     if match is None:
         return None
     return int(match[1]), int(match[2])
+
+
+def parse_trainer_name(name: str) -> int | None:
+    """The step of a Trainer checkpoint directory's name (``checkpoint-N``), or None."""
+    match = _TRAINER_NAME_RE.match(name)
+    return None if match is None else int(match[1])
+
+
+def is_committed_dir_name(name: str) -> bool:
+    """Whether ``name`` is a directory a commit marker may commit (sharded or Trainer)."""
+    return parse_sharded_name(name) is not None or parse_trainer_name(name) is not None
 
 
 def is_sharded_path(path: str | os.PathLike[str]) -> bool:
@@ -96,9 +119,11 @@ def marker_text(
     files: dict[str, tuple[str, int]],
     meta: dict[str, Any],
     created: str,
+    layout: str | None = None,
 ) -> str:
-    """The commit marker's content (sorted keys). ``files``: {name: (sha256, size)}."""
-    fields = {
+    """The commit marker's content (sorted keys). ``files``: {name: (sha256, size)}.
+    ``layout``: None for a DCP directory, :data:`TRAINER_LAYOUT` for a Trainer's."""
+    fields: dict[str, Any] = {
         "format": SHARDED_FORMAT,
         "version": SHARDED_FORMAT_VERSION,
         "directory": directory_name,
@@ -109,16 +134,18 @@ def marker_text(
         "files": {name: {"sha256": sha, "size": size} for name, (sha, size) in files.items()},
         "meta": meta,
     }
+    if layout is not None:
+        fields["layout"] = layout
     return json.dumps(fields, indent=1, sort_keys=True, allow_nan=True) + "\n"
 
 
-def _files_problem(files: Any) -> str | None:
+def _files_problem(files: Any, dcp: bool) -> str | None:
     """What is wrong with a marker's ``files`` object, or None."""
     if not isinstance(files, dict) or not files:
         return "field 'files' is not a non-empty object"
     if len(files) > MAX_FILES:
         return f"lists more than {MAX_FILES} files"
-    if DCP_METADATA_NAME not in files:
+    if dcp and DCP_METADATA_NAME not in files:
         return f"does not list {DCP_METADATA_NAME}"
     for name, entry in files.items():
         if not valid_file_name(name):
@@ -144,10 +171,16 @@ def _marker_problem(fields: dict[str, Any], directory: str) -> str | None:
         return "world_size is 0"
     if not isinstance(fields.get("meta"), dict):
         return "field 'meta' is not an object"
-    name = sharded_name(fields["step"], fields["generation"])
+    layout = fields.get("layout")
+    if layout not in (None, TRAINER_LAYOUT):
+        return f"unknown layout {layout!r}"
+    if layout is None:
+        name = sharded_name(fields["step"], fields["generation"])
+    else:
+        name = f"{TRAINER_PREFIX}{fields['step']}"
     if fields.get("directory") != name or os.path.basename(directory) != name:
         return f"names {fields.get('directory')!r} but its fields describe {name}"
-    return _files_problem(fields.get("files"))
+    return _files_problem(fields.get("files"), dcp=layout is None)
 
 
 def read_marker_bytes(directory: str) -> bytes:
@@ -194,7 +227,7 @@ def parse_marker(directory: str, raw: bytes) -> CheckpointInfo:
         size=sum(size for _, _, size in files),
         meta=fields["meta"],
         created=str(fields.get("created", "")),
-        kind="sharded",
+        kind="sharded" if fields.get("layout") is None else TRAINER_LAYOUT,
         world_size=fields["world_size"],
         files=files,
     )

@@ -26,14 +26,15 @@ def _unlink_if_present(path: str) -> None:
 
 def remove_checkpoint(path: str) -> None:
     """Delete the checkpoint at ``path``: a replicated data file (and its sidecar, first), or a
-    sharded checkpoint's directory (its commit marker first). A missing one is no error.
+    sharded checkpoint's or a Trainer's committed directory (its commit marker first). A missing
+    one is no error.
 
     Raises :class:`CheckpointError` if ``path`` is not named like a checkpoint, or a sharded
     one is not a directory (a symlink is never followed); ``OSError`` if a removal fails.
     """
     name = os.path.basename(path)
     directory = os.path.dirname(path)
-    if commit.parse_sharded_name(name) is not None:
+    if commit.is_committed_dir_name(name):
         try:
             st = os.lstat(path)
         except FileNotFoundError:

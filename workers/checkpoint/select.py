@@ -114,6 +114,13 @@ def _read_sharded(directory: str) -> CheckpointInfo | None:
 
 def _list_one(found: CheckpointList, path: str, name: str, names: set[str]) -> None:
     """Add the checkpoint (or the problem) ``name`` in the listed directory is, if any."""
+    if commit.parse_trainer_name(name) is not None:
+        info = _read_sharded(path)
+        if info is not None:
+            found.append(info)
+        else:  # the Trainer's save in progress, or one spikeguard never committed: not ours
+            found.problems.append((path, "no commit marker (not committed by spikeguard)"))
+        return
     sharded = commit.parse_sharded_name(name)
     if sharded is not None:
         info = _read_sharded(path)
@@ -210,7 +217,7 @@ def verify(info: CheckpointInfo) -> None:
     not a ``torch.save`` zip), :class:`UnsafeCheckpointError` (an opcode or a global the
     unpickler refuses), or :class:`CheckpointError` (the file cannot be read for another reason).
     """
-    if info.kind == "sharded":
+    if info.kind != "replicated":  # a committed directory: sharded, or a Trainer's
         verify_sharded(info)
         return
     try:

@@ -1,0 +1,133 @@
+"""Committing a training framework's own checkpoint directory (a Hugging Face ``Trainer``'s
+``checkpoint-N``) with spikeguard's commit marker: the graded, checksummed manifest of
+:mod:`.commit` (layout :data:`~.commit.TRAINER_LAYOUT`).
+
+The framework writes its files as it always does; then rank 0 hashes every file in the directory
+and publishes the marker (temp file, fsync, rename, directory fsync), after the fence check: a rank
+of a replaced generation never publishes one. The supervisor lists, verifies and chooses such a
+directory exactly as a sharded checkpoint (:mod:`.select`), and a rank verifies it against its
+resume plan's checksum before the framework loads it (:func:`verify_for_resume`).
+
+Only a flat directory is committed (what the Trainer writes for a single-device or DDP model):
+a subdirectory (FSDP's or DeepSpeed's sharded states), a symlink or any other non-regular entry
+refuses the commit with :class:`~.format.CheckpointError`, so that no marker ever covers less
+than the directory holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import stat
+from collections.abc import Callable
+from typing import Any
+
+from . import commit
+from .dcp_write import _marker_meta, _publish_marker
+from .files import fsync_directory
+from .format import CheckpointError, CheckpointInfo
+from .integrity import hash_file
+from .select import verify_sharded
+
+
+def retract(directory: str) -> bool:
+    """Remove ``directory``'s commit marker, if any (before the framework writes into it again,
+    e.g. a step an abandoned generation had saved too). Returns whether there was one."""
+    try:
+        os.unlink(os.path.join(directory, commit.COMMIT_NAME))
+    except FileNotFoundError:
+        return False
+    fsync_directory(directory)
+    return True
+
+
+def _hash_files(directory: str) -> dict[str, tuple[str, int]]:
+    """{name: (sha256, size)} of every file in ``directory`` but the marker and temp files."""
+    files: dict[str, tuple[str, int]] = {}
+    with os.scandir(directory) as entries:
+        listed = sorted(entries, key=lambda e: e.name)
+    for entry in listed:
+        name = entry.name
+        if name == commit.COMMIT_NAME or name.startswith(".tmp-"):
+            continue
+        mode = entry.stat(follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            what = "a subdirectory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise CheckpointError(
+                f"{entry.path} is {what}: only flat checkpoint directories are committed"
+            )
+        if not commit.valid_file_name(name):
+            raise CheckpointError(f"{entry.path}: a file name the commit marker cannot list")
+        files[name] = hash_file(entry.path)
+    if not files:
+        raise CheckpointError(f"{directory} holds no file to commit")
+    return files
+
+
+def commit_trainer_dir(
+    directory: str,
+    *,
+    step: int,
+    generation: int,
+    world_size: int,
+    ranks: list[dict[str, Any]],
+    meta: dict[str, Any],
+    fence: Callable[[], None] | None = None,
+) -> CheckpointInfo:
+    """Publish the commit marker of the Trainer checkpoint ``directory`` (rank 0, after every
+    rank finished writing into it).
+
+    ``ranks``: each rank's ``{"rank", "grade", "loss", "summary", "signals_step"}`` (the
+    checkpoint's grade is the worst rank's, as for a sharded save); ``meta``: more fields of
+    the marker's ``meta`` (LR scale, run...). ``fence`` raises when this rank's generation was
+    replaced: then nothing is published. A marker already there (an older save of the same
+    step) is replaced. Returns the committed checkpoint; raises :class:`CheckpointError`.
+    """
+    name = os.path.basename(os.path.normpath(directory))
+    if commit.parse_trainer_name(name) != step:
+        raise CheckpointError(f"{directory} is not named {commit.TRAINER_PREFIX}{step}")
+    retract(directory)
+    try:
+        files = _hash_files(directory)
+    except OSError as e:
+        raise CheckpointError(f"{directory}: {e}") from e
+    if fence is not None:
+        fence()
+    text = commit.marker_text(
+        directory_name=name,
+        step=step,
+        generation=generation,
+        world_size=world_size,
+        files=files,
+        meta=_marker_meta(ranks, meta),
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        layout=commit.TRAINER_LAYOUT,
+    )
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(directory, commit.COMMIT_NAME))  # a racing older publish
+    _publish_marker(directory, text)
+    return commit.parse_marker(directory, text.encode())
+
+
+def verify_for_resume(directory: str, expected_sha256: str | None) -> CheckpointInfo:
+    """Check a Trainer checkpoint before the framework loads it: its marker must have the plan's
+    checksum and every file it lists its recorded size and sha256. Returns the marker; raises
+    :class:`~.format.CheckpointError` (corrupt, altered, incomplete)."""
+    marker = commit.read_marker(directory)
+    if marker.kind != commit.TRAINER_LAYOUT:
+        raise CheckpointError(f"{directory} is not a Trainer checkpoint")
+    if expected_sha256 is None:
+        raise CheckpointError(f"no checksum for {directory} in the resume plan")
+    return verify_sharded(
+        CheckpointInfo(
+            path=marker.path,
+            meta_path=marker.meta_path,
+            step=marker.step,
+            generation=marker.generation,
+            rank=0,
+            sha256=expected_sha256,
+            size=marker.size,
+            kind=marker.kind,
+        )
+    )
