@@ -299,7 +299,7 @@ def plot_leads(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_xticks(range(len(SIGNALS)), list(SIGNALS.values()))
     ax.set_ylabel("lead: steps before the loss spike")
     ax.set_title("When each signal's rule fires, against the loss-spike onset (diverging seeds)")
-    ax.legend(fontsize=8, ncols=5, loc="lower left")
+    ax.legend(fontsize=8, ncols=5, loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
