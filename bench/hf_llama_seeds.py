@@ -98,7 +98,8 @@ def with_spikeguard(seed: int, tmp: Path, extra: list[str]) -> dict:
     run = tmp / f"run-{seed}"
     t0 = time.time()
     cmd = [sys.executable, "-m", "spikeguard.supervisor.cli", "submit", str(spec)]
-    code = subprocess.run([*cmd, "--run-dir", str(run), "--quiet"], check=False).returncode
+    argv = [*cmd, "--run-dir", str(run), "--quiet", "--no-dashboard"]  # no port 8265 clash
+    code = subprocess.run(argv, check=False).returncode
     events = [json.loads(line) for line in (run / "journal.jsonl").read_text().splitlines()]
     reports = [json.loads(line) for line in (run / "reports.jsonl").read_text().splitlines()]
     last_gen = max(m["gen"] for m in reports)

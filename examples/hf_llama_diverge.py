@@ -10,13 +10,17 @@ An ordinary Trainer script (torchrun-style: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RA
 Model: ``LlamaForCausalLM`` from a ``LlamaConfig`` with random weights (4 layers, d=64, 4
 heads / 2 KV heads, RoPE, no QK-norm, vocab 256: bytes), no hub download, no tokenizer. Data: the
 standard library's ``*.py`` bytes (:mod:`.data`), windows of 64 bytes, batch 16 per rank.
-Recipe: AdamW (betas 0.9/0.95, no weight decay, no gradient clipping), the Trainer's own
-``cosine`` schedule with a long linear warm-up (``--warmup`` 500 steps) to ``--lr`` 0.2 over
-``--steps`` 800. The peak is past this model's stability edge: the attention logits grow into the
-hundreds and thousands and the min-head attention entropy collapses (caught near step 175, while
-the LR is still rising), and the loss stops improving near 2.4-2.6 nats and wanders above it
-(``bench/hf_llama_seeds.py`` measures the loss onset over seeds and the runs under spikeguard; the
-README has the table). ``--stable``: the same schedule x0.3 (peak 0.06, a control).
+Recipe: AdamW (betas 0.9/0.95, no weight decay, no gradient clipping), ``gpt_diverge.py``'s
+schedule as the Trainer's scheduler (:func:`lr_factor`, a ``LambdaLR`` the Trainer saves and
+resumes like its own): a geometric warm-up from ``--lr-start`` 1e-3 to ``--lr`` 0.15 over
+``--warmup`` 600 steps, then a cosine to ``--final-frac`` 10 % at ``--steps`` 800. The model
+trains cleanly to ~1.9 nats while the LR is small; from LR ~0.05 (step ~480) on, the peak is
+past this model's stability edge: the attention logits grow, the min-head attention entropy
+collapses and the loss climbs ~1 nat to ~2.9 by step ~620, ending near 2.5
+(``bench/hf_llama_seeds.py`` measures the onset over seeds and the runs under spikeguard; the
+README has the table). A linear warm-up to a high peak does not give a clean divergence: the
+attention collapses in the first 200 steps, before the model learned anything, and the loss only
+stalls. ``--stable``: the same schedule x0.3 (a control).
 
 Test hooks (read by this script only, never by the library): ``SG_HF_COLLAPSE=STEP:GEN``
 multiplies the LM head's weights by 30 at that step of that launch generation (an instant loss
@@ -47,8 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="init and data seed")
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=64, help="tokens (bytes) per sequence")
-    p.add_argument("--lr", type=float, default=0.2, help="peak LR (end of the warm-up)")
-    p.add_argument("--warmup", type=int, default=500, help="linear warm-up steps")
+    p.add_argument("--lr", type=float, default=0.15, help="peak LR (end of the warm-up)")
+    p.add_argument("--lr-start", type=float, default=1e-3, help="LR at step 0")
+    p.add_argument("--warmup", type=int, default=600, help="geometric warm-up steps")
+    p.add_argument("--final-frac", type=float, default=0.1, help="cosine floor, x the peak")
     p.add_argument("--stable", action="store_true", help=f"control: the LR x{STABLE_FACTOR}")
     p.add_argument("--save-steps", type=int, default=50, help="Trainer checkpoint interval")
     p.add_argument("--sample-every", type=int, default=25, help="spikeguard probe interval")
@@ -91,6 +97,17 @@ def build_model(args: argparse.Namespace) -> Any:
     )
     torch.manual_seed(args.seed)
     return LlamaForCausalLM(cfg)
+
+
+def lr_factor(step: int, args: argparse.Namespace) -> float:
+    """The LR at ``step`` as a fraction of the peak: a geometric warm-up from ``lr_start`` over
+    ``warmup`` steps, then a cosine to ``final_frac`` at ``steps`` (``gpt_diverge.py``'s shape)."""
+    import math
+
+    if args.warmup > 0 and step < args.warmup:
+        return (args.lr_start / args.lr) ** (1.0 - step / args.warmup)
+    frac = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    return args.final_frac + (1.0 - args.final_frac) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
 def _hooks(model: Any) -> list[Any]:
@@ -163,8 +180,6 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=args.steps,
         per_device_train_batch_size=args.batch,
         learning_rate=lr,
-        lr_scheduler_type="cosine",
-        warmup_steps=args.warmup,
         weight_decay=0.0,
         adam_beta1=0.9,
         adam_beta2=0.95,
@@ -193,7 +208,21 @@ def main(argv: list[str] | None = None) -> int:
 
         sg = SpikeguardCallback(sample_every=args.sample_every)
         callbacks.insert(0, sg)
-    trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=callbacks)
+
+    class GeometricWarmupTrainer(Trainer):  # type: ignore[misc]
+        """The Trainer with :func:`lr_factor` as its scheduler (saved and resumed as usual)."""
+
+        def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+            if self.lr_scheduler is None:
+                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                    optimizer if optimizer is not None else self.optimizer,
+                    lambda step: lr_factor(step, args),
+                )
+            return self.lr_scheduler
+
+    trainer = GeometricWarmupTrainer(
+        model=model, args=targs, train_dataset=data, callbacks=callbacks
+    )
     trainer.remove_callback(PrinterCallback)  # a line per step otherwise (logging_steps=1)
     resume = sg.resume_from_checkpoint() if sg is not None else None
     trainer.train(resume_from_checkpoint=resume)
