@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 from typing import Any
 
 from ..job import JobSpec
@@ -15,6 +16,19 @@ def dashboard_installed() -> bool:
     """Whether Ray's dashboard can run here (``ray[default]``: ``pip install
     'spikeguard[cluster]'``)."""
     return importlib.util.find_spec("aiohttp") is not None
+
+
+def dashboard_port(preferred: int = DASHBOARD_PORT) -> int:
+    """``preferred`` when nothing listens on it, else a free port the kernel picks: a second job
+    on the machine (or a Ray dashboard already running) must not stop this one from starting."""
+    for port in (preferred, 0):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise OSError("no free port for Ray's dashboard")
 
 
 def init_ray(job: JobSpec) -> bool:
@@ -38,7 +52,7 @@ def init_ray(job: JobSpec) -> bool:
         object_store_memory=job.ray.object_store_mb * 1024 * 1024,
         include_dashboard=dashboard,
         dashboard_host="127.0.0.1",
-        dashboard_port=DASHBOARD_PORT,
+        dashboard_port=dashboard_port() if dashboard else DASHBOARD_PORT,
         **kw,
     )
     return True
