@@ -47,7 +47,7 @@ typecheck: setup
 	$(BIN)/mypy $(TYPED)
 
 test: setup lint typecheck
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup
 
 clean:
 	rm -rf $(VENV) runs build

@@ -193,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    ray.init(num_cpus=4, object_store_memory=80 * 1024 * 1024, include_dashboard=False)
+    ray.init(
+        address="local", num_cpus=4, object_store_memory=80 * 1024 * 1024, include_dashboard=False
+    )
     results: dict[str, list[dict[str, float]]] = {}
     hangs: list[float] = []
     try:

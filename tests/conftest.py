@@ -20,6 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # so tests can import 
 
 
 RAY_INIT = dict(
+    # always a fresh instance of this test process's own: never a cluster another test (a
+    # second xdist worker's Ray head, ray.cluster_utils.Cluster) registered on the machine
+    address="local",
     num_cpus=4,
     object_store_memory=80 * 1024 * 1024,
     include_dashboard=False,

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import SCRIPTS, events, launch_of
 
-pytestmark = pytest.mark.slow
+# one worker runs the tests that start their own Ray head or cluster, one after the other
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster")]
 POLICY = Path(__file__).parent / "data" / "toy_policy.yaml"
 MB80 = 80 * 1024 * 1024
 

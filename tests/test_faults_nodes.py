@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import When, alive, events, kinds, launch_of, reports, toy_job
 
-pytestmark = pytest.mark.slow
+# one worker runs the tests that start their own Ray head or cluster, one after the other
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster")]
 POLICY = Path(__file__).parent / "data" / "toy_policy.yaml"
 MB80 = 80 * 1024 * 1024
 HEALTH = {

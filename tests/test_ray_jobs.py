@@ -31,7 +31,8 @@ from pathlib import Path
 import pytest
 from conftest import SCRIPTS, events, kinds
 
-pytestmark = pytest.mark.slow
+# one worker runs the tests that start their own Ray head or cluster, one after the other
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster")]
 BIN = Path(sys.executable).parent
 CLIENT = SCRIPTS / "ray_jobs_client.py"
 
