@@ -47,7 +47,7 @@ typecheck: setup
 	$(BIN)/mypy $(TYPED)
 
 test: setup lint typecheck
-	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -ra
 
 clean:
 	rm -rf $(VENV) runs build

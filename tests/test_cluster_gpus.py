@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import SCRIPTS, events, launch_of
 
-# one worker runs the tests that start their own Ray head or cluster, one after the other
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.slow
 POLICY = Path(__file__).parent / "data" / "toy_policy.yaml"
 MB80 = 80 * 1024 * 1024
 

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import When, alive, events, kinds, launch_of, reports, toy_job
 
-# one worker runs the tests that start their own Ray head or cluster, one after the other
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.slow
 POLICY = Path(__file__).parent / "data" / "toy_policy.yaml"
 MB80 = 80 * 1024 * 1024
 HEALTH = {

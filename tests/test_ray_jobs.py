@@ -31,8 +31,7 @@ from pathlib import Path
 import pytest
 from conftest import SCRIPTS, events, kinds
 
-# one worker runs the tests that start their own Ray head or cluster, one after the other
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 CLIENT = SCRIPTS / "ray_jobs_client.py"
 
