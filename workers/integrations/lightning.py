@@ -242,6 +242,8 @@ class SpikeguardCallback(pl.Callback):
             return
         if session.should_checkpoint(step, every=self.checkpoint_every, collective=True):
             name = checkpoint_name(step, session.generation, rank=0)
+            # Lightning's weights_only=False *saves* the optimizer and loop state too (a rollback
+            # needs them); loading is always torch.load(weights_only=True), see lightning_io
             trainer.save_checkpoint(os.path.join(session.ckpt_dir, name), weights_only=False)
 
     # -- no samples outside training steps -----------------------------------------------------
