@@ -1,5 +1,5 @@
-"""`spikeguard demo` end to end: the diverging example, 2 real ranks on an embedded Ray,
-recovered."""
+"""`spikeguard demo --steps 1000` end to end: the diverging example, 2 real ranks on an embedded
+Ray, recovered."""
 
 from __future__ import annotations
 
@@ -15,7 +15,18 @@ pytestmark = pytest.mark.slow
 def test_demo_recovers_the_diverging_example(tmp_path):
     run_dir = tmp_path / "demo"
     r = subprocess.run(
-        [sys.executable, "-m", "spikeguard.supervisor.cli", "demo", "--run-dir", str(run_dir)],
+        # the demo's recipe with a 1000-step run instead of 1600: the warm-up (where it diverges,
+        # ~step 725) is the same, the cosine tail shorter; the README's full run is `make demo`
+        [
+            sys.executable,
+            "-m",
+            "spikeguard.supervisor.cli",
+            "demo",
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            "1000",
+        ],
         capture_output=True,
         text=True,
         timeout=900,
@@ -48,7 +59,8 @@ def test_demo_recovers_the_diverging_example(tmp_path):
     incident = next(e for e in events if e["kind"] == "incident")
     assert rollback["checkpoint_step"] <= incident["step"] - 200 and rollback["grade"] >= 4
     final = events[-1]["final_loss"]
-    # without spikeguard this recipe ends at 2.3-2.7 (3 seeds); the x0.1-LR control at ~1.5
+    # without spikeguard the 1600-step recipe ends at 2.3-2.7 (3 seeds), the x0.1-LR control at
+    # ~1.5; this 1000-step one under spikeguard ended at 1.67 (two rollbacks, x0.25)
     assert final < 1.8, final
     page = (run_dir / "report.html").read_text()
     assert page.count('class="series"') >= 4 * 2  # four panels, at least two generations each
