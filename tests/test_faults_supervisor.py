@@ -166,12 +166,12 @@ def test_a_supervisor_killed_mid_recovery_and_mid_training_resumes_from_the_jour
     healthy = [c.step for c in infos if c.generation <= rec and (c.grade or 0) >= 4]
     assert resume["checkpoint_step"] == max(healthy)  # the newest healthy one on the lineage
     assert resume["lr_scale"] == pytest.approx(0.5) and resume["resume_to"] == "PROBATION"
-    gen3 = [m for m in reports(run_dir) if m["gen"] == rec + 1]
-    assert {m["from_step"] for m in gen3 if m["type"] == "resumed"} == {
+    restart_gen = [m for m in reports(run_dir) if m["gen"] == rec + 1]
+    assert {m["from_step"] for m in restart_gen if m["type"] == "resumed"} == {
         resume["checkpoint_step"] + 1
     }
-    assert all(m["lr_scale"] == pytest.approx(0.5) for m in gen3 if m["type"] == "resumed")
-    steps3 = [m["step"] for m in gen3 if m["type"] in ("heartbeat", "report")]
+    assert all(m["lr_scale"] == pytest.approx(0.5) for m in restart_gen if m["type"] == "resumed")
+    steps3 = [m["step"] for m in restart_gen if m["type"] in ("heartbeat", "report")]
     assert min(steps3) == resume["checkpoint_step"] + 1
     assert (
         reaper.find(str(run_dir / "checkpoints"), 10**9) == []
