@@ -179,12 +179,21 @@ class Controller:
         if self._preempt_reason is not None and self.state.phase not in rc.EXITS:
             self._apply(rc.Preempt(self._preempt_reason))
         if self.state.phase in (*rc.ACTIVE, rc.Phase.PREEMPTING):
+            accepted: list[dict[str, Any]] = []
             for poll in self.group.poll():
                 if self.on_output is not None and (poll.output or poll.output_skipped):
                     self.on_output(poll)
-                for msg in self.collector.ingest_poll(poll, now):
-                    self._feed(msg)
-            for msg in self.collector.check_hangs(now):
+                accepted.extend(self.collector.ingest_poll(poll, now))
+            # every accepted message is recorded, in arrival order, before any is acted upon: a
+            # decision on one of them may fence the generation, and the rest of this poll (the
+            # steps a slower rank had queued) must still reach reports.jsonl, ahead of what
+            # arrives while the kill waits for batch ids
+            self._write_reports(accepted)
+            for msg in accepted:
+                self._feed(msg)
+            hangs = self.collector.check_hangs(now)
+            self._write_reports(hangs)
+            for msg in hangs:
                 self._feed(msg)
             if now - self._last_reap >= self.reap_interval_s and self.state.phase in rc.ACTIVE:
                 self._reap(self.state.generation, "rank processes of replaced generations")
@@ -206,10 +215,10 @@ class Controller:
 
     # -- messages -> decisions -> observations --------------------------------------------------
     def _feed(self, msg: dict[str, Any]) -> None:
+        """Evaluate one accepted message (already recorded in ``reports.jsonl``)."""
         gen = self.collector.generation
         if gen is None or msg.get("gen") != gen:
             return  # fenced (or replaced) while handling an earlier message of this poll
-        self._write_report(msg)
         for decision in self.engine.observe(msg):
             self._apply(self._observation(decision, msg))
             if self.collector.generation != gen:
@@ -550,7 +559,14 @@ class Controller:
         rundir.write_atomic(self.fence_file, str(gen))
 
     def _write_report(self, msg: dict[str, Any]) -> None:
-        self._reports.write((json.dumps(msg, separators=(",", ":")) + "\n").encode())
+        self._write_reports([msg])
+
+    def _write_reports(self, msgs: list[dict[str, Any]]) -> None:
+        if not msgs:
+            return
+        self._reports.write(
+            b"".join((json.dumps(m, separators=(",", ":")) + "\n").encode() for m in msgs)
+        )
         self._reports.flush()
 
     def _event(self, ev: dict[str, Any]) -> None:

@@ -1,0 +1,131 @@
+"""``reports.jsonl`` holds every accepted rank message, in arrival order, even when a decision on
+one message of a poll fences the generation: the rest of that poll (the steps a slower rank had
+queued) is recorded, not evaluated, and ahead of what arrives while the kill waits for batch ids.
+(No Ray: a scripted group hands the controller its polls.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from spikeguard.policies import Engine, load_policy_text
+from spikeguard.supervisor import recovery as rc
+from spikeguard.supervisor.controller import Controller
+from spikeguard.supervisor.launch.types import KillReport, LaunchedRank, RankPoll
+
+POLICY = """
+version: 1
+name: spike
+warm_in: 0 steps
+rules:
+  - {name: loss-high, when: loss > 100, action: recover}
+"""
+
+
+def _line(gen: int, rank: int, step: int, loss: float, **kw: Any) -> bytes:
+    msg = {"v": 1, "type": "heartbeat", "run": "t", "gen": gen, "rank": rank, "step": step}
+    return json.dumps({**msg, "t": 0.0, "loss": loss, **kw}).encode()
+
+
+class LaggingGroup:
+    """Tick 1: steps 0-4 from both ranks. Tick 2: rank 0 reaches step 10 with a loss of 1000
+    (the rule fires on it); rank 1's poll, after it in the same tick, carries its queued steps
+    5-9. While the kill waits for batch ids, rank 1 delivers steps 10-11 and its answer."""
+
+    def __init__(self) -> None:
+        self.gen = 0
+        self.ticks = 0
+        self.requested: dict[str, Any] | None = None
+        self.killed = False
+
+    def launch(self, *, generation: int, **_: Any) -> list[LaunchedRank]:
+        self.gen = generation
+        return [
+            LaunchedRank(rank=r, pid=1000 + r, generation=generation, report="-", port=1)
+            for r in range(2)
+        ]
+
+    def poll(self, timeout_s: float = 0.5) -> list[RankPoll]:
+        g = self.gen
+        if self.requested is not None:  # the kill's wait for batch ids
+            rid = self.requested["id"]
+            answer = json.dumps(
+                {"v": 1, "type": "batch_ids", "run": "t", "gen": g, "rank": 1, "step": 11}
+                | {"t": 0.0, "request": rid, "ids": []}
+            ).encode()
+            lines = (_line(g, 1, 10, 2.0), _line(g, 1, 11, 2.0), answer)
+            self.requested = None
+            return [RankPoll(rank=1, generation=g, lines=lines)]
+        if self.killed:
+            return []
+        self.ticks += 1
+        if self.ticks == 1:
+            steps = range(0, 5)
+            return [
+                RankPoll(rank=r, generation=g, lines=tuple(_line(g, r, s, 2.0) for s in steps))
+                for r in range(2)
+            ]
+        if self.ticks == 2:
+            rank0 = tuple(_line(g, 0, s, 2.0) for s in range(5, 10)) + (_line(g, 0, 10, 1000.0),)
+            rank1 = tuple(_line(g, 1, s, 2.0) for s in range(5, 10))
+            return [
+                RankPoll(rank=0, generation=g, lines=rank0),
+                RankPoll(rank=1, generation=g, lines=rank1),
+            ]
+        return []
+
+    def request(self, payload: dict[str, Any], timeout_s: float = 5.0) -> int:
+        self.requested = payload
+        return 2
+
+    def kill(self, grace_s: float = 0.0) -> KillReport:
+        self.killed = True
+        return KillReport(duration_s=0.0)
+
+
+class SpyEngine:
+    """The real engine, recording every message handed to it."""
+
+    def __init__(self) -> None:
+        self.engine = Engine(load_policy_text(POLICY))
+        self.seen: list[tuple[int, int]] = []
+
+    def observe(self, msg: dict[str, Any]) -> Any:
+        self.seen.append((msg["rank"], msg["step"]))
+        return self.engine.observe(msg)
+
+    def retire(self, generation: int) -> None:
+        self.engine.retire(generation)
+
+
+def test_a_fence_mid_poll_still_records_the_rest_of_the_poll_in_order(tmp_path: Path) -> None:
+    spy = SpyEngine()
+    group = LaggingGroup()
+    ctl = Controller(
+        run_dir=str(tmp_path),
+        run_id="t",
+        group=group,
+        engine=spy,
+        cmd=["true"],
+        env={},
+        world_size=2,
+        hang_timeout_s=60.0,
+        first_heartbeat_timeout_s=60.0,
+        reap_interval_s=1e9,
+        batch_ids_wait_s=0.5,
+    )
+    ctl._apply(rc.Start())
+    ctl.step()
+    ctl.step()  # rank 0's step 10 fires; the kill fences generation 1
+    ctl.close()
+    kinds = [json.loads(ln)["kind"] for ln in (tmp_path / "journal.jsonl").read_text().splitlines()]
+    assert "incident" in kinds and "kill" in kinds, kinds
+
+    recorded = [json.loads(ln) for ln in (tmp_path / "reports.jsonl").read_text().splitlines()]
+    rank1 = [m["step"] for m in recorded if m["rank"] == 1 and m["type"] == "heartbeat"]
+    assert rank1 == list(range(12))  # steps 5-9 (after the fence in their poll) are there, in order
+    rank0 = [m["step"] for m in recorded if m["rank"] == 0]
+    assert rank0 == list(range(11))
+    # evaluated: everything up to and including the message that fired, nothing after it
+    assert spy.seen[-1] == (0, 10) and (1, 5) not in spy.seen
