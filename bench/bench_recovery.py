@@ -91,7 +91,9 @@ def run_job(
     job = JobSpec(
         name=name,
         entrypoint=str(TOY),
-        args=["--steps", str(steps), "--ckpt-every", "10", "--step-sleep", "0.05"],
+        # torch's own AdamW: a cold start pays its lazy torch._dynamo import, as a user's does
+        args=["--steps", str(steps), "--ckpt-every", "10", "--step-sleep", "0.05"]
+        + ["--optimizer", "adamw"],
         workers=2,
         policy=str(policy),
         run_dir=str(work / name),
