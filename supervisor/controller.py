@@ -13,6 +13,7 @@ Timeouts use monotonic clocks only (the journal's ``mono``); a wall-clock jump c
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import socket
@@ -115,6 +116,8 @@ class Controller:
         self.state = rc.State()
         self._preempt_reason: str | None = None
         self._awaited: tuple[int, float] | None = None
+        self._unfed: collections.deque[dict[str, Any]] = collections.deque()
+        """Accepted messages of the current poll not recorded and evaluated yet."""
         """(request id, monotonic deadline) of a checkpoint request the machine waits for."""
         self._reports = open(self.run_dir / "reports.jsonl", "ab")
         self._last_reap = self.journal.mono()
@@ -180,21 +183,12 @@ class Controller:
             self._apply(rc.Preempt(self._preempt_reason))
         if self.state.phase in (*rc.ACTIVE, rc.Phase.PREEMPTING):
             accepted: list[dict[str, Any]] = []
-            for poll in self.group.poll():
+            for poll in self.group.poll():  # all of the tick is accepted before any decision
                 if self.on_output is not None and (poll.output or poll.output_skipped):
                     self.on_output(poll)
                 accepted.extend(self.collector.ingest_poll(poll, now))
-            # every accepted message is recorded, in arrival order, before any is acted upon: a
-            # decision on one of them may fence the generation, and the rest of this poll (the
-            # steps a slower rank had queued) must still reach reports.jsonl, ahead of what
-            # arrives while the kill waits for batch ids
-            self._write_reports(accepted)
-            for msg in accepted:
-                self._feed(msg)
-            hangs = self.collector.check_hangs(now)
-            self._write_reports(hangs)
-            for msg in hangs:
-                self._feed(msg)
+            self._feed_all(accepted)
+            self._feed_all(self.collector.check_hangs(now))
             if now - self._last_reap >= self.reap_interval_s and self.state.phase in rc.ACTIVE:
                 self._reap(self.state.generation, "rank processes of replaced generations")
             if self.standby and self.state.phase in rc.ACTIVE:
@@ -214,6 +208,23 @@ class Controller:
         return self.state
 
     # -- messages -> decisions -> observations --------------------------------------------------
+    def _feed_all(self, msgs: list[dict[str, Any]]) -> None:
+        """Record and evaluate accepted messages one by one, in arrival order (a decision comes
+        as soon as its message is read, not after the rest of the poll). When a decision fences
+        the generation, the kill records what is left of them first (:meth:`_record_unfed`):
+        every accepted message reaches ``reports.jsonl``, in order, evaluated or not."""
+        self._unfed.extend(msgs)
+        while self._unfed:
+            msg = self._unfed.popleft()
+            self._write_report(msg)
+            self._feed(msg)
+
+    def _record_unfed(self) -> None:
+        """Record, without evaluating, the accepted messages not fed yet (the generation is
+        being fenced: the rest of the poll, such as the steps a slower rank had queued)."""
+        while self._unfed:
+            self._write_report(self._unfed.popleft())
+
     def _feed(self, msg: dict[str, Any]) -> None:
         """Evaluate one accepted message (already recorded in ``reports.jsonl``)."""
         gen = self.collector.generation
@@ -320,6 +331,7 @@ class Controller:
     def _kill(self, eff: rc.Kill) -> rc.Killed:
         """Fence the generation (supervisor side, then FENCE for the ranks) and kill it; at an
         incident, first ask the ranks for their recent batch ids (a short, bounded wait)."""
+        self._record_unfed()  # ahead of what arrives while waiting for the batch ids
         batch_ids = None
         if eff.batch_ids_for is not None and self.collector.generation is not None:
             batch_ids = self._collect_batch_ids(*eff.batch_ids_for)
@@ -521,6 +533,7 @@ class Controller:
         return None
 
     def _shutdown(self, eff: rc.Shutdown) -> None:
+        self._record_unfed()
         self.collector.fence()
 
     # -- the run directory ---------------------------------------------------------------------
@@ -559,14 +572,7 @@ class Controller:
         rundir.write_atomic(self.fence_file, str(gen))
 
     def _write_report(self, msg: dict[str, Any]) -> None:
-        self._write_reports([msg])
-
-    def _write_reports(self, msgs: list[dict[str, Any]]) -> None:
-        if not msgs:
-            return
-        self._reports.write(
-            b"".join((json.dumps(m, separators=(",", ":")) + "\n").encode() for m in msgs)
-        )
+        self._reports.write((json.dumps(msg, separators=(",", ":")) + "\n").encode())
         self._reports.flush()
 
     def _event(self, ev: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
-"""``reports.jsonl`` holds every accepted rank message, in arrival order, even when a decision on
-one message of a poll fences the generation: the rest of that poll (the steps a slower rank had
-queued) is recorded, not evaluated, and ahead of what arrives while the kill waits for batch ids.
-(No Ray: a scripted group hands the controller its polls.)"""
+"""``reports.jsonl`` holds every rank message the supervisor received, in arrival order, even
+when a decision on one message of a tick fences the generation: the rest of that tick (here the
+steps a slower rank had queued, in its own poll) is accepted and recorded, not evaluated, and
+ahead of what arrives while the kill waits for batch ids. (No Ray: a scripted group hands the
+controller its polls.)"""
 
 from __future__ import annotations
 
