@@ -268,13 +268,30 @@ def robust_z(v: float, values: Iterable[float]) -> tuple[float, float]:
     return med, 0.0 if v == med else math.copysign(math.inf, v - med)
 
 
+def _beyond_median_impossible(cond: Trailing, v: float, values: list[float]) -> bool:
+    """True when ``v`` cannot pass the condition's ``above_median``/``below_median`` part,
+    decided from the window's minimum or maximum alone (no sort): the median lies between them.
+    Every heartbeat of every rank meets the loss rule, and almost every one is far from it; this
+    answers those in one pass, with the decision the full check would give."""
+    factor = cond.above_median if cond.above_median is not None else cond.below_median
+    if factor is None or factor <= 0:
+        return False
+    if cond.above_median is not None:  # v > factor·median needs v > factor·min (when min > 0)
+        lo = min(values)
+        return lo > 0 and v <= factor * lo
+    return v >= factor * max(values)  # v < factor·median needs v < factor·max (or median <= 0)
+
+
 def _trailing(cond: Trailing, ctx: Context, v: float, layer: str | None) -> Hit | None:
     w = cond.window
     pts = _window(ctx.history(cond.signal), ctx.msg.step, int(w.value), w.unit, need_full=True)
     values = [p[1] for p in (pts or []) if math.isfinite(p[1])]
     if len(values) < 3:
         return None
-    med, z = robust_z(v, values)
+    if _beyond_median_impossible(cond, v, values):
+        return None
+    wants_z = cond.z_above is not None or cond.z_below is not None
+    med, z = robust_z(v, values) if wants_z else (statistics.median(values), math.nan)
     s, parts = cond.signal, []
     if cond.above_median is not None or cond.below_median is not None:
         factor = cond.above_median if cond.above_median is not None else cond.below_median
