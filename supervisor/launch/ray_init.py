@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 from typing import Any
 
 from ..job import JobSpec
-
-DASHBOARD_PORT = 8265
 
 
 def dashboard_installed() -> bool:
@@ -18,23 +15,15 @@ def dashboard_installed() -> bool:
     return importlib.util.find_spec("aiohttp") is not None
 
 
-def dashboard_port(preferred: int = DASHBOARD_PORT) -> int:
-    """``preferred`` when nothing listens on it, else a free port the kernel picks: a second job
-    on the machine (or a Ray dashboard already running) must not stop this one from starting."""
-    for port in (preferred, 0):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return int(s.getsockname()[1])
-    raise OSError("no free port for Ray's dashboard")
-
-
 def init_ray(job: JobSpec) -> bool:
     """Attach to ``job.ray.address`` or start an embedded local Ray. Returns True if we started
     it. The embedded Ray has its dashboard on http://127.0.0.1:8265 (or the next free port)
-    when it is installed, unless the job turns it off."""
+    when it is installed, unless the job turns it off.
+
+    The port is left to Ray (``dashboard_port=None``): its dashboard binds 8265 or, when that is
+    taken, the next free one of the following 50, at bind time. Choosing a free port here and
+    handing it over loses a race: two jobs started in the same seconds on one machine both saw
+    8265 free, and the second one's Ray failed to start."""
     import ray
 
     if ray.is_initialized():
@@ -52,7 +41,7 @@ def init_ray(job: JobSpec) -> bool:
         object_store_memory=job.ray.object_store_mb * 1024 * 1024,
         include_dashboard=dashboard,
         dashboard_host="127.0.0.1",
-        dashboard_port=dashboard_port() if dashboard else DASHBOARD_PORT,
+        dashboard_port=None,  # Ray's: 8265, else the next free one when its dashboard binds
         **kw,
     )
     return True
