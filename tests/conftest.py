@@ -309,3 +309,44 @@ def _journals_replay(request):
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+class SpyEngine:
+    """The real policy engine on ``policy_text``, recording every message handed to it (for
+    controller tests with a scripted group)."""
+
+    def __init__(self, policy_text: str) -> None:
+        from spikeguard.policies import Engine, load_policy_text
+
+        self.engine = Engine(load_policy_text(policy_text))
+        self.seen: list[dict[str, Any]] = []
+
+    def observe(self, msg: dict[str, Any]) -> Any:
+        self.seen.append(msg)
+        return self.engine.observe(msg)
+
+    def retire(self, generation: int) -> None:
+        self.engine.retire(generation)
+
+
+def scripted_controller(run_dir: Path, group: Any, engine: Any, **kw: Any) -> Any:
+    """A supervisor ``Controller`` over a scripted group (no Ray), its first generation
+    launched; ``kw`` overrides the defaults (2 ranks, 60 s timeouts, no reaping)."""
+    from spikeguard.supervisor import recovery as rc
+    from spikeguard.supervisor.controller import Controller
+
+    args: dict[str, Any] = dict(
+        run_dir=str(run_dir),
+        run_id="t",
+        group=group,
+        engine=engine,
+        cmd=["true"],
+        env={},
+        world_size=2,
+        hang_timeout_s=60.0,
+        first_heartbeat_timeout_s=60.0,
+        reap_interval_s=1e9,
+    )
+    ctl = Controller(**{**args, **kw})
+    ctl._apply(rc.Start())
+    return ctl

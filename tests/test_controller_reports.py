@@ -10,9 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from spikeguard.policies import Engine, load_policy_text
-from spikeguard.supervisor import recovery as rc
-from spikeguard.supervisor.controller import Controller
+from conftest import SpyEngine, scripted_controller
 from spikeguard.supervisor.launch.types import KillReport, LaunchedRank, RankPoll
 
 POLICY = """
@@ -85,38 +83,10 @@ class LaggingGroup:
         return KillReport(duration_s=0.0)
 
 
-class SpyEngine:
-    """The real engine, recording every message handed to it."""
-
-    def __init__(self) -> None:
-        self.engine = Engine(load_policy_text(POLICY))
-        self.seen: list[tuple[int, int]] = []
-
-    def observe(self, msg: dict[str, Any]) -> Any:
-        self.seen.append((msg["rank"], msg["step"]))
-        return self.engine.observe(msg)
-
-    def retire(self, generation: int) -> None:
-        self.engine.retire(generation)
-
-
 def test_a_fence_mid_poll_still_records_the_rest_of_the_poll_in_order(tmp_path: Path) -> None:
-    spy = SpyEngine()
+    spy = SpyEngine(POLICY)
     group = LaggingGroup()
-    ctl = Controller(
-        run_dir=str(tmp_path),
-        run_id="t",
-        group=group,
-        engine=spy,
-        cmd=["true"],
-        env={},
-        world_size=2,
-        hang_timeout_s=60.0,
-        first_heartbeat_timeout_s=60.0,
-        reap_interval_s=1e9,
-        batch_ids_wait_s=0.5,
-    )
-    ctl._apply(rc.Start())
+    ctl = scripted_controller(tmp_path, group, spy, batch_ids_wait_s=0.5)
     ctl.step()
     ctl.step()  # rank 0's step 10 fires; the kill fences generation 1
     ctl.close()
@@ -129,4 +99,5 @@ def test_a_fence_mid_poll_still_records_the_rest_of_the_poll_in_order(tmp_path: 
     rank0 = [m["step"] for m in recorded if m["rank"] == 0]
     assert rank0 == list(range(11))
     # evaluated: everything up to and including the message that fired, nothing after it
-    assert spy.seen[-1] == (0, 10) and (1, 5) not in spy.seen
+    seen = [(m["rank"], m["step"]) for m in spy.seen]
+    assert seen[-1] == (0, 10) and (1, 5) not in seen

@@ -6,11 +6,9 @@ import json
 import time
 from pathlib import Path
 
-from conftest import events, kinds
+from conftest import events, kinds, scripted_controller
 from spikeguard.policies import Engine, load_policy
-from spikeguard.supervisor import recovery as rc
 from spikeguard.supervisor.collector import Collector
-from spikeguard.supervisor.controller import Controller
 from spikeguard.supervisor.launch.types import KillReport, LaunchedRank, RankPoll
 
 POLICY = Path(__file__).parent / "data" / "toy_policy.yaml"
@@ -81,19 +79,8 @@ def test_collector_hangs_depend_only_on_the_time_passed_in():
 
 def test_a_wall_clock_jump_does_not_fire_a_hang_but_monotonic_time_does(tmp_path, monkeypatch):
     group = FakeGroup()
-    ctl = Controller(
-        run_dir=str(tmp_path),
-        run_id="t",
-        group=group,
-        engine=Engine(load_policy(str(POLICY))),
-        cmd=["true"],
-        env={},
-        world_size=2,
-        hang_timeout_s=5.0,
-        first_heartbeat_timeout_s=60.0,
-        reap_interval_s=1e9,
-    )
-    ctl._apply(rc.Start())
+    engine = Engine(load_policy(str(POLICY)))
+    ctl = scripted_controller(tmp_path, group, engine, hang_timeout_s=5.0)
     ctl.step()
     real_time = time.time
     group.silent = {1}  # rank 1 goes quiet...

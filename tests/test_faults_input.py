@@ -8,9 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from spikeguard.policies import Engine, load_policy_text
+from conftest import SpyEngine, scripted_controller
 from spikeguard.supervisor import recovery as rc
-from spikeguard.supervisor.controller import Controller
 from spikeguard.supervisor.launch.types import KillReport, LaunchedRank, RankPoll
 
 BIG = 10**400
@@ -75,21 +74,6 @@ class HostileGroup:
         return KillReport(duration_s=0.0)
 
 
-class SpyEngine:
-    """The real engine, recording every message handed to it."""
-
-    def __init__(self) -> None:
-        self.engine = Engine(load_policy_text(POLICY))
-        self.seen: list[dict[str, Any]] = []
-
-    def observe(self, msg: dict[str, Any]) -> Any:
-        self.seen.append(msg)
-        return self.engine.observe(msg)
-
-    def retire(self, generation: int) -> None:
-        self.engine.retire(generation)
-
-
 def _numbers(msg: dict[str, Any]) -> list[Any]:
     values = list(msg.values())
     for key in ("summary", "layers"):
@@ -101,20 +85,8 @@ def _numbers(msg: dict[str, Any]) -> list[Any]:
 
 
 def test_the_controller_survives_every_hostile_line_and_the_engine_sees_none(tmp_path: Path):
-    spy = SpyEngine()
-    ctl = Controller(
-        run_dir=str(tmp_path),
-        run_id="t",
-        group=HostileGroup(),
-        engine=spy,
-        cmd=["true"],
-        env={},
-        world_size=2,
-        hang_timeout_s=60.0,
-        first_heartbeat_timeout_s=60.0,
-        reap_interval_s=1e9,
-    )
-    ctl._apply(rc.Start())
+    spy = SpyEngine(POLICY)
+    ctl = scripted_controller(tmp_path, HostileGroup(), spy)
     for _ in range(5):
         ctl.step()
     ctl.close()
