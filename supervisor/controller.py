@@ -116,9 +116,9 @@ class Controller:
         self.state = rc.State()
         self._preempt_reason: str | None = None
         self._awaited: tuple[int, float] | None = None
-        self._unfed: collections.deque[dict[str, Any]] = collections.deque()
-        """Accepted messages of the current poll not recorded and evaluated yet."""
         """(request id, monotonic deadline) of a checkpoint request the machine waits for."""
+        self._unfed: collections.deque[dict[str, Any]] = collections.deque()
+        """Accepted messages of the current tick not recorded and evaluated yet."""
         self._reports = open(self.run_dir / "reports.jsonl", "ab")
         self._last_reap = self.journal.mono()
         self._effects: dict[type, Callable[[Any], rc.Observation | None]] = {
