@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import itertools
 import math
 import statistics
 from collections.abc import Iterable
@@ -103,9 +104,10 @@ class Series:
     def before(self, step: int) -> list[tuple[int, float]]:
         """The points of steps before ``step``, oldest first (steps only ever increase)."""
         points = self.points
-        if not points or points[-1][0] < step:
-            return list(points)  # the usual case, the newest point is older: all of them
-        return [p for p in points if p[0] < step]
+        end = len(points)
+        while end and points[end - 1][0] >= step:  # usually the message's own point, if any
+            end -= 1
+        return list(points) if end == len(points) else list(itertools.islice(points, end))
 
     def rewound(self, step: int) -> Series | None:
         """A copy holding only the points before ``step`` (None when none is)."""

@@ -294,3 +294,19 @@ def test_the_min_max_quick_exit_never_changes_a_decision(rule, monkeypatch):
     monkeypatch.setattr(ev, "_beyond_median_impossible", lambda *a: False)
     assert quick == decisions()
     assert quick  # the streams do fire: the comparison is not vacuous
+
+
+def test_a_series_gives_exactly_the_points_before_a_step():
+    import random
+
+    from spikeguard.policies.evaluate import Series
+
+    rng = random.Random(7)
+    for _ in range(300):
+        s = Series(rng.randint(1, 12))
+        step = rng.randint(-3, 5)
+        for _ in range(rng.randint(0, 20)):
+            step += rng.randint(0, 3)  # repeated steps are dropped by add()
+            s.add(step, rng.random())
+        for query in range(step - 15, step + 3):
+            assert s.before(query) == [p for p in s.points if p[0] < query], (list(s.points), query)
