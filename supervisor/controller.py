@@ -117,8 +117,11 @@ class Controller:
         self._preempt_reason: str | None = None
         self._awaited: tuple[int, float] | None = None
         """(request id, monotonic deadline) of a checkpoint request the machine waits for."""
+        self._unread: collections.deque[tuple[RankPoll, float]] = collections.deque()
+        """The current tick's polls (with the time they came) not read yet: a decision on one
+        rank's message does not wait for the validation of the other ranks' lines."""
         self._unfed: collections.deque[dict[str, Any]] = collections.deque()
-        """Accepted messages of the current tick not recorded and evaluated yet."""
+        """Accepted messages of the current poll not recorded and evaluated yet."""
         self._reports = open(self.run_dir / "reports.jsonl", "ab")
         self._last_reap = self.journal.mono()
         self._effects: dict[type, Callable[[Any], rc.Observation | None]] = {
@@ -182,13 +185,15 @@ class Controller:
         if self._preempt_reason is not None and self.state.phase not in rc.EXITS:
             self._apply(rc.Preempt(self._preempt_reason))
         if self.state.phase in (*rc.ACTIVE, rc.Phase.PREEMPTING):
-            accepted: list[dict[str, Any]] = []
-            for poll in self.group.poll():  # all of the tick is accepted before any decision
+            for poll in self.group.poll():
                 if self.on_output is not None and (poll.output or poll.output_skipped):
                     self.on_output(poll)
-                accepted.extend(self.collector.ingest_poll(poll, now))
-            self._feed_all(accepted)
+                self._unread.append((poll, now))
+            while self._unread:  # one rank's poll at a time: read, record, decide
+                poll, at = self._unread.popleft()
+                self._feed_all(self.collector.ingest_poll(poll, at))
             self._feed_all(self.collector.check_hangs(now))
+            self._reports.flush()
             if now - self._last_reap >= self.reap_interval_s and self.state.phase in rc.ACTIVE:
                 self._reap(self.state.generation, "rank processes of replaced generations")
             if self.standby and self.state.phase in rc.ACTIVE:
@@ -220,10 +225,16 @@ class Controller:
             self._feed(msg)
 
     def _record_unfed(self) -> None:
-        """Record, without evaluating, the accepted messages not fed yet (the generation is
-        being fenced: the rest of the poll, such as the steps a slower rank had queued)."""
-        while self._unfed:
-            self._write_report(self._unfed.popleft())
+        """Accept and record, without evaluating, what this tick brought and was not fed yet
+        (the generation is being fenced: the rest of the tick, such as the steps a slower rank
+        had queued)."""
+        while self._unfed or self._unread:
+            while self._unfed:
+                self._write_report(self._unfed.popleft())
+            if self._unread:
+                poll, at = self._unread.popleft()
+                self._unfed.extend(self.collector.ingest_poll(poll, at))
+        self._reports.flush()
 
     def _feed(self, msg: dict[str, Any]) -> None:
         """Evaluate one accepted message (already recorded in ``reports.jsonl``)."""
@@ -572,8 +583,8 @@ class Controller:
         rundir.write_atomic(self.fence_file, str(gen))
 
     def _write_report(self, msg: dict[str, Any]) -> None:
+        """Append ``msg`` to ``reports.jsonl`` (flushed once a tick, and before a kill waits)."""
         self._reports.write((json.dumps(msg, separators=(",", ":")) + "\n").encode())
-        self._reports.flush()
 
     def _event(self, ev: dict[str, Any]) -> None:
         rec = self.journal.record(ev)
