@@ -29,7 +29,7 @@ workers: 2
 policy: {policy}
 run_dir: {run_dir}
 timeouts: {{heartbeat_s: 30, first_heartbeat_s: 120, preempt_grace_s: 20, reap_interval_s: 2}}
-ray: {{num_cpus: 4, object_store_mb: 80}}
+ray: {{num_cpus: 4, object_store_mb: 80, dashboard: false}}  # a Ray start ~3 CPU-s cheaper
 """
 
 
@@ -114,7 +114,11 @@ def test_a_checkpoint_rule_makes_the_ranks_save_at_their_next_step(ray_local, tm
         "version: 1\nname: ck\nwarm_in: 0 steps\nrules:\n"
         "  - {name: save-now, when: loss > 0, ranks: all, warm_in: 33 steps, action: checkpoint}\n"
     )
-    job = toy_job(tmp_path, policy=policy, steps=60, extra_args=["--ckpt-every", "0"])
+    # paced (~170 steps of margin, 20 ms each) so that the request reaches the ranks before they
+    # finish even on a loaded machine: unpaced, the 27 steps after the warm-in took 0.5 s
+    job = toy_job(
+        tmp_path, policy=policy, steps=200, extra_args=["--ckpt-every", "0", "--step-sleep", "0.02"]
+    )
     assert run_job(job, live=False) == 0
     run_dir = Path(job.run_dir)
     evs = events(run_dir)
