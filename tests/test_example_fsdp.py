@@ -40,6 +40,7 @@ def _shortened(tmp_path: Path) -> Path:
     i = args.index("--steps")
     spec["args"] = [*args[:i], "--steps", "600", "--warmup", "400", *args[i + 2 :]]
     spec["entrypoint"] = str(ROOT / "examples" / spec["entrypoint"])
+    spec["ray"] = {**spec.get("ray", {}), "dashboard": False}  # not this test's subject
     job = tmp_path / "fsdp_diverge.yaml"
     job.write_text(yaml.safe_dump(spec))
     return job

@@ -32,7 +32,7 @@ policy: {policy}
 run_dir: {run_dir}
 env: {{SG_FAULT: "0:40:collapse:1"}}
 timeouts: {{heartbeat_s: 30, first_heartbeat_s: 120, restart_backoff_s: 4, reap_interval_s: 2}}
-ray: {{num_cpus: 4, object_store_mb: 80}}
+ray: {{num_cpus: 4, object_store_mb: 80, dashboard: false}}  # a Ray start ~3 CPU-s cheaper
 notify: {{slack: {{channel: "#ml-alerts"}}}}
 checkpoints: {{enabled: false}}  # what the orphans wrote stays on disk, as evidence
 """
