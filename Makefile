@@ -5,6 +5,9 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
+# pytest-xdist workers for `make test`: the training tests on one, the fault tests on the other
+# (tests/conftest.py: TRAINING_MODULES, FAULT_MODULES); 0 runs the suite in one process
+TEST_WORKERS ?= 2
 # the rooms that must stay pure (no Ray, no I/O, no torch): type-checked on every test run
 TYPED := -p spikeguard.supervisor.recovery -p spikeguard.workers.contract -p spikeguard.policies \
 	-m spikeguard.supervisor.collector -m spikeguard.supervisor.events \
@@ -47,7 +50,7 @@ typecheck: setup
 	$(BIN)/mypy $(TYPED)
 
 test: setup lint typecheck
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
 
 clean:
 	rm -rf $(VENV) runs build

@@ -42,8 +42,76 @@ head, the bench's embedded Ray). They run last, so the session's Ray starts once
 after each of them (~7 s a start on 2 cores)."""
 
 
+TRAINING_MODULES = frozenset(
+    {
+        "test_bench_sharded.py",
+        "test_bench_smoke.py",
+        "test_checkpoint_sharded.py",
+        "test_demo.py",
+        "test_example.py",
+        "test_example_fsdp.py",
+        "test_hf_trainer.py",
+        "test_lightning.py",
+        "test_observe_ray.py",
+        "test_ray_init.py",
+        "test_standby.py",
+        "test_supervisor_ray.py",
+    }
+)
+"""Modules that train real models (the examples to a natural divergence, the integrations, sharded
+checkpoints): CPU-bound. ``make test`` runs them one after the other on one xdist worker."""
+FAULT_MODULES = frozenset(
+    {
+        "test_bench_recovery.py",
+        "test_cluster_gpus.py",
+        "test_faults_hostile.py",
+        "test_faults_nodes.py",
+        "test_faults_preemption.py",
+        "test_faults_ranks.py",
+        "test_faults_recovery.py",
+        "test_faults_supervisor.py",
+        "test_rank_env_ray.py",
+        "test_ray_jobs.py",
+        "test_slack_supervised.py",
+        "test_standby_process.py",
+    }
+)
+"""Fault injection on real Ray: mostly waiting (for heartbeat timeouts, backoffs, grace periods),
+one after the other on the other worker, so one group's waits are the other's CPU. The unit tests
+fill in on whichever worker is free. Every ``slow`` test's module is in one of the two sets."""
+
+
+def xdist_group(nodeid: str) -> str | None:
+    """The xdist group of a test (None: any worker), from its module."""
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    if module in TRAINING_MODULES:
+        return "training"
+    return "faults" if module in FAULT_MODULES else None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with the groups above (xdist's own reads ``xdist_group`` marks through
+    ``item._nodeid``, which pytest 9.2 no longer uses)."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModuleGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid) or nodeid
+
+    return ByModuleGroup(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.name in OWN_RAY_LAST)  # stable: order kept otherwise
+    for item in items:
+        if item.get_closest_marker("slow") and xdist_group(item.nodeid) is None:
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked slow: add its module to TRAINING_MODULES or "
+                "FAULT_MODULES in tests/conftest.py (the xdist groups of `make test`)"
+            )
 
 
 @pytest.fixture(scope="session")
