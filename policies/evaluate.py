@@ -107,7 +107,7 @@ class Series:
         end = len(points)
         while end and points[end - 1][0] >= step:  # usually the message's own point, if any
             end -= 1
-        return list(points) if end == len(points) else list(itertools.islice(points, end))
+        return list(itertools.islice(points, end))
 
     def rewound(self, step: int) -> Series | None:
         """A copy holding only the points before ``step`` (None when none is)."""

@@ -228,12 +228,12 @@ class Controller:
         """Accept and record, without evaluating, what this tick brought and was not fed yet
         (the generation is being fenced: the rest of the tick, such as the steps a slower rank
         had queued)."""
-        while self._unfed or self._unread:
-            while self._unfed:
-                self._write_report(self._unfed.popleft())
-            if self._unread:
-                poll, at = self._unread.popleft()
-                self._unfed.extend(self.collector.ingest_poll(poll, at))
+        while self._unfed:
+            self._write_report(self._unfed.popleft())
+        while self._unread:
+            poll, at = self._unread.popleft()
+            for msg in self.collector.ingest_poll(poll, at):
+                self._write_report(msg)
         self._reports.flush()
 
     def _feed(self, msg: dict[str, Any]) -> None:
