@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from spikeguard.workers.contract.signals import LAYER_SIGNALS
@@ -90,6 +90,10 @@ class Decision:
         return d
 
 
+_SUMMARY: tuple[None] = (None,)
+"""The one instance of a rule without ``layers:`` (or of any rule on a heartbeat)."""
+
+
 @dataclasses.dataclass
 class _Instance:
     count: int = 0
@@ -116,14 +120,16 @@ class _Compiled:
         self.index, self.rule = index, rule
         self.cadence = rule.when.cadence()
         self.events = self.cadence <= {"exit", "hang"}
+        self.when = rule.when
+        self.scope = rule.ranks
         self.recovery = policy.recovery_for(rule)
         default = policy.warm_in.value if rule.uses_layer_signals else 0
         self.warm_in = int(rule.warm_in.value) if rule.warm_in is not None else int(default)
 
-    def layers(self, msg: RankMessage) -> list[str | None]:
+    def layers(self, msg: RankMessage) -> Iterable[str | None]:
         globs = self.rule.layers
         if globs is None or msg.type != "report":
-            return [None]
+            return _SUMMARY
         return [name for name in msg.layers if any(fnmatch.fnmatchcase(name, g) for g in globs)]
 
     def persisted(self, inst: _Instance, step: int, at: float) -> bool:
@@ -147,6 +153,11 @@ class Engine:
         self.retired = -1
         self.ignored = 0
         """Messages ignored so far (older or retired generation, or malformed)."""
+        self._by_type: dict[str, list[_Compiled]] = {}
+        """Message type -> the rules evaluated on it, in policy order (their cadence)."""
+        for c in self.rules:
+            for t in c.cadence:
+                self._by_type.setdefault(t, []).append(c)
         self._history: dict[str, int] = {}  # signal -> series length it needs
         for c in self.rules:
             for leaf in c.rule.when.leaves():
@@ -174,6 +185,8 @@ class Engine:
         self._series = {}
         self._instances: dict[tuple[int, int], dict[str | None, _Instance]] = {}
         self._groups: dict[tuple[int, int | None], _Firing] = {}
+        self._holding: dict[int, dict[int, Hit]] = {}
+        """Rule index -> the ranks that hold it now (rules scoped over ranks)."""
         self._ranks: set[int] = set()
         self._world_size = 0
         self._max_step: int | None = None
@@ -217,9 +230,10 @@ class Engine:
             return []
         self._record(parsed)
         out: list[Decision] = []
-        for c in self.rules:
-            if parsed.type in c.cadence:
-                out.extend(self._evaluate(c, parsed))
+        for c in self._by_type.get(msg["type"], ()):  # a str (see _accept)
+            decided = self._evaluate(c, parsed)
+            if decided:
+                out.extend(decided)
         return out
 
     def _accept(self, msg: Any) -> RankMessage | None:
@@ -290,9 +304,10 @@ class Engine:
                     s.add(m.step, v)
 
     def _evaluate(self, c: _Compiled, m: RankMessage) -> list[Decision]:
-        per_layer = self._instances.get((c.index, m.rank))
+        key = (c.index, m.rank)
+        per_layer = self._instances.get(key)
         if per_layer is None:
-            per_layer = self._instances[(c.index, m.rank)] = {}
+            per_layer = self._instances[key] = {}
         for layer in c.layers(m):
             inst = per_layer.get(layer)
             if inst is None:
@@ -304,21 +319,32 @@ class Engine:
             hit = (
                 None
                 if c.warm_in > 0 and m.step < c.warm_in
-                else evaluate(c.rule.when, Context(m, layer, self._series))
+                else evaluate(c.when, Context(m, layer, self._series))
             )
             if hit is None:
-                inst.count, inst.hit, inst.ready = 0, None, False
+                if inst.count:
+                    inst.count, inst.hit, inst.ready = 0, None, False
                 continue
             if inst.count == 0:
                 inst.since_step, inst.since_at = m.step, m.at
             inst.count += 1
             inst.hit = hit
             inst.ready = c.persisted(inst, m.step, m.at)
-        scope = c.rule.ranks
+        hit = None
+        for inst in per_layer.values():  # the rank holds the rule on its first ready instance
+            if inst.ready:
+                hit = inst.hit
+                break
+        scope = c.scope
         if scope == "any":
-            hit = self._rank_hit(c, m.rank)
-            return self._update(c, m, (c.index, m.rank), hit, m.rank, "")
-        holding = {r: h for r in sorted(self._ranks) if (h := self._rank_hit(c, r)) is not None}
+            return self._update(c, m, key, hit, m.rank, str)
+        holding = self._holding.get(c.index)
+        if holding is None:
+            holding = self._holding[c.index] = {}
+        if hit is None:
+            holding.pop(m.rank, None)
+        else:
+            holding[m.rank] = hit
         world = max(self._world_size, len(self._ranks))
         if scope == "all":
             need = world
@@ -328,23 +354,33 @@ class Engine:
             need = scope.at_least
         hit, lead = None, None
         if len(holding) >= need:
-            lead = m.rank if m.rank in holding else next(iter(holding))
+            lead = m.rank if m.rank in holding else min(holding)
             hit = holding[lead]
-        who = f"{len(holding)} of {world} ranks ({', '.join(map(str, holding))}) hold it; "
+
+        def who() -> str:
+            ranks = ", ".join(map(str, sorted(holding)))
+            return f"{len(holding)} of {world} ranks ({ranks}) hold it; "
+
         return self._update(c, m, (c.index, None), hit, lead, who)
 
-    def _rank_hit(self, c: _Compiled, rank: int) -> Hit | None:
-        for inst in self._instances.get((c.index, rank), {}).values():
-            if inst.ready:
-                return inst.hit
-        return None
-
     def _update(
-        self, c: _Compiled, m: RankMessage, key: tuple, hit: Hit | None, rank: int | None, who: str
+        self,
+        c: _Compiled,
+        m: RankMessage,
+        key: tuple,
+        hit: Hit | None,
+        rank: int | None,
+        who: Callable[[], str],
     ) -> list[Decision]:
+        """The decision (if any) of rule ``c`` for one scope (``key``) now that it holds on
+        ``hit`` (None: it does not); ``who`` says which ranks hold it, for the reason."""
         group = self._groups.get(key)
         if group is None:
+            if hit is None:
+                return []  # never fired here: nothing to resolve or repeat
             group = self._groups[key] = _Firing()
+        elif hit is None and not group.firing:
+            return []
         rule = c.rule
         if hit is not None and not group.firing:
             if self._cooling(c, m):
@@ -354,7 +390,7 @@ class Engine:
             self._fired[c.index] = (self._progress, m.at)
             where = f"rank {rank}" + (f" layer {hit.layer}" if hit.layer else "")
             held = f" (held for {rule.for_})" if rule.for_ is not None else ""
-            reason = f"{who}{where}: {hit.text}{held}"
+            reason = f"{who()}{where}: {hit.text}{held}"
             return [self._decision(c, m, reason, key[1], hit.layer, hit.signal, hit.value)]
         repeat = self.policy.notify.repeat_interval
         reminder_due = repeat is not None and m.at - group.notified_at >= repeat.value

@@ -32,6 +32,8 @@ class Hit:
 
 def number(v: Any) -> float | None:
     """A reported value as a float, or None when absent or not a number."""
+    if type(v) is float:  # most values: no conversion, no isinstance
+        return v
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     return float(v)
@@ -86,28 +88,73 @@ class RankMessage:
 
 class Series:
     """The recent (step, value) points of one signal on one rank and layer (see the engine's
-    docstring for what a new generation keeps)."""
+    docstring for what a new generation keeps).
 
-    __slots__ = ("first_step", "points")
+    Steps and values are kept in two parallel deques, with a count of the non-finite values, so
+    that a trailing window's values are a slice taken in C (:meth:`window`): every heartbeat of
+    every rank asks for one."""
+
+    __slots__ = ("first_step", "nonfinite", "steps", "values")
 
     def __init__(self, maxlen: int) -> None:
-        self.points: collections.deque[tuple[int, float]] = collections.deque(maxlen=maxlen)
+        self.steps: collections.deque[int] = collections.deque(maxlen=maxlen)
+        self.values: collections.deque[float] = collections.deque(maxlen=maxlen)
+        self.nonfinite = 0
+        """How many of ``values`` are NaN or infinite."""
         self.first_step: int | None = None
 
+    @property
+    def maxlen(self) -> int | None:
+        return self.steps.maxlen
+
+    @property
+    def points(self) -> list[tuple[int, float]]:
+        """Every (step, value) point held, oldest first."""
+        return list(zip(self.steps, self.values))
+
     def add(self, step: int, value: float) -> None:
-        if self.points and step <= self.points[-1][0]:
+        steps = self.steps
+        if steps and step <= steps[-1]:
             return  # the report repeats its step's heartbeat, or arrived late
         if self.first_step is None:
             self.first_step = step
-        self.points.append((step, value))
+        if len(steps) == steps.maxlen and not math.isfinite(self.values[0]):
+            self.nonfinite -= 1  # the oldest point is about to be let go
+        if not math.isfinite(value):
+            self.nonfinite += 1
+        steps.append(step)
+        self.values.append(value)
+
+    def _end(self, step: int) -> int:
+        """How many points are of steps before ``step`` (steps only ever increase)."""
+        steps = self.steps
+        end = len(steps)
+        while end and steps[end - 1] >= step:  # usually the message's own point, if any
+            end -= 1
+        return end
 
     def before(self, step: int) -> list[tuple[int, float]]:
-        """The points of steps before ``step``, oldest first (steps only ever increase)."""
-        points = self.points
-        end = len(points)
-        while end and points[end - 1][0] >= step:  # usually the message's own point, if any
-            end -= 1
-        return list(itertools.islice(points, end))
+        """The points of steps before ``step``, oldest first."""
+        end = self._end(step)
+        return list(zip(itertools.islice(self.steps, end), itertools.islice(self.values, end)))
+
+    def window(self, step: int, size: int, unit: str, need_full: bool) -> list[float] | None:
+        """The finite values of :func:`_window`'s points (same window, same None)."""
+        end = self._end(step)
+        if unit == "samples":
+            start = max(0, end - size)
+            if end - start < size and (need_full or start == end):
+                return None
+        else:
+            if need_full and (self.first_step is None or self.first_step > step - size):
+                return None
+            start = bisect.bisect_left(self.steps, step - size, 0, end)
+            if start == end:
+                return None
+        values = list(itertools.islice(self.values, start, end))
+        if self.nonfinite:
+            values = [x for x in values if math.isfinite(x)]
+        return values
 
     def rewound(self, step: int) -> Series | None:
         """A copy holding only the points before ``step`` (None when none is)."""
@@ -125,8 +172,9 @@ class Series:
             return None
         ref = live if live is not None else older
         assert ref is not None
-        s = Series(ref.points.maxlen or len(kept))
-        s.points.extend(kept)
+        s = Series(ref.maxlen or len(kept))
+        for point in kept[-(ref.maxlen or len(kept)) :]:
+            s.add(*point)
         firsts = [x.first_step for x in (live, older) if x is not None and x.first_step is not None]
         s.first_step = min(firsts) if firsts else kept[0][0]
         return s
@@ -207,29 +255,36 @@ def evaluate(cond: Any, ctx: Context) -> Hit | None:
     v = ctx.value(signal)
     if v is None:
         return None
-    layer = ctx.layer_of(signal)
     if kind is NonFinite:
-        return None if math.isfinite(v) else Hit(signal, v, layer, f"{signal} is {v}")
+        if math.isfinite(v):
+            return None
+        return Hit(signal, v, ctx.layer_of(signal), f"{signal} is {v}")
     if not math.isfinite(v):
         return None
     if kind is Threshold:
         if cond.below is not None and v < cond.below:
             return Hit(
-                signal, v, layer, f"{signal} {fmt(signal, v)} is below {fmt(signal, cond.below)}"
+                signal,
+                v,
+                ctx.layer_of(signal),
+                f"{signal} {fmt(signal, v)} is below {fmt(signal, cond.below)}",
             )
         if cond.above is not None and v > cond.above:
             return Hit(
-                signal, v, layer, f"{signal} {fmt(signal, v)} is above {fmt(signal, cond.above)}"
+                signal,
+                v,
+                ctx.layer_of(signal),
+                f"{signal} {fmt(signal, v)} is above {fmt(signal, cond.above)}",
             )
         return None
     if kind is Change:
-        return _change(cond, ctx, v, layer)
+        return _change(cond, ctx, v)
     if kind is Trailing:
-        return _trailing(cond, ctx, v, layer)
+        return _trailing(cond, ctx, v)
     raise TypeError(f"unknown condition {kind.__name__}")
 
 
-def _change(cond: Change, ctx: Context, v: float, layer: str | None) -> Hit | None:
+def _change(cond: Change, ctx: Context, v: float) -> Hit | None:
     w = cond.within
     size = int(w.value) - 1 if w.unit == "samples" else int(w.value)
     pts = _window(ctx.history(cond.signal), ctx.msg.step, size, w.unit, need_full=False)
@@ -243,7 +298,7 @@ def _change(cond: Change, ctx: Context, v: float, layer: str | None) -> Hit | No
             return Hit(
                 s,
                 v,
-                layer,
+                ctx.layer_of(s),
                 f"{s} fell from {fmt(s, ref[1])} to {fmt(s, v)} within {w} "
                 f"(steps {ref[0]}→{ctx.msg.step})",
             )
@@ -253,7 +308,7 @@ def _change(cond: Change, ctx: Context, v: float, layer: str | None) -> Hit | No
         return Hit(
             s,
             v,
-            layer,
+            ctx.layer_of(s),
             f"{s} rose from {fmt(s, ref[1])} to {fmt(s, v)} within {w} "
             f"(steps {ref[0]}→{ctx.msg.step})",
         )
@@ -284,11 +339,11 @@ def _beyond_median_impossible(cond: Trailing, v: float, values: list[float]) -> 
     return v >= factor * max(values)  # v < factor·median needs v < factor·max (or median <= 0)
 
 
-def _trailing(cond: Trailing, ctx: Context, v: float, layer: str | None) -> Hit | None:
+def _trailing(cond: Trailing, ctx: Context, v: float) -> Hit | None:
     w = cond.window
-    pts = _window(ctx.history(cond.signal), ctx.msg.step, int(w.value), w.unit, need_full=True)
-    values = [p[1] for p in (pts or []) if math.isfinite(p[1])]
-    if len(values) < 3:
+    series = ctx.history(cond.signal)
+    values = series.window(ctx.msg.step, int(w.value), w.unit, need_full=True) if series else None
+    if values is None or len(values) < 3:
         return None
     if _beyond_median_impossible(cond, v, values):
         return None
@@ -320,4 +375,4 @@ def _trailing(cond: Trailing, ctx: Context, v: float, layer: str | None) -> Hit 
             if len(parts) == 0
             else f"z-score {z:.3g}"
         )
-    return Hit(s, v, layer, f"{s} {fmt(s, v)} is " + ", ".join(parts))
+    return Hit(s, v, ctx.layer_of(s), f"{s} {fmt(s, v)} is " + ", ".join(parts))
