@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -24,6 +25,40 @@ PROGRESS_SAMPLES = 256
 the last :data:`RATE_WINDOW_S`, one per poll)."""
 RATE_WINDOW_S = 30.0
 """Steps/s and tokens/s are measured over this many seconds of the latest progress."""
+
+
+class Accepted(dict):  # type: ignore[type-arg]
+    """An accepted rank message (a plain ``dict`` to every reader) with the line it came from,
+    so that ``reports.jsonl`` can keep the rank's own bytes instead of encoding it again."""
+
+    __slots__ = ("line",)
+
+    line: bytes | None
+    """The line as received (``at`` is not in it), or None when it cannot be copied verbatim."""
+
+    def record(self) -> bytes:
+        """The message as one ``reports.jsonl`` line (newline included): the rank's line with
+        the supervisor's ``at`` appended (a later duplicate key wins for every JSON reader), or
+        the message encoded again when the line is not plain ASCII JSON on one line."""
+        line = self.line
+        if line is not None and "at" in self:
+            return b'%s,"at":%s}\n' % (line[:-1], json.dumps(self["at"]).encode())
+        return (json.dumps(self, separators=(",", ":")) + "\n").encode()
+
+
+def _verbatim(line: bytes | str) -> bytes | None:
+    """``line`` as bytes that can go into ``reports.jsonl`` unchanged: ASCII (no encoding
+    question, no Unicode line separator), no line feed or carriage return inside (a line break
+    to text-mode readers), ending in the object's closing brace. None otherwise (the message is
+    encoded again)."""
+    if isinstance(line, str):
+        if not line.isascii():
+            return None
+        line = line.encode()
+    line = line.strip(b" \t\n")
+    if not line.isascii() or b"\r" in line or b"\n" in line or not line.endswith(b"}"):
+        return None
+    return line
 
 
 @dataclasses.dataclass
@@ -104,13 +139,14 @@ class Collector:
         return None
 
     def _accept(self, rank: int, line: bytes | str, now: float) -> dict[str, Any] | None:
-        msg = validate.parse(line)
+        msg = Accepted(validate.parse(line))
         if msg["rank"] != rank or rank not in self.ranks:
             self._drop("unknown_rank")
             return None
         if self.generation is None or msg["gen"] != self.generation:
             self._drop("stale_generation")
             return None
+        msg.line = _verbatim(line)
         msg["at"] = round(now, 3)
         self.now = now
         v = self.ranks[rank]

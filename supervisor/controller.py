@@ -26,7 +26,7 @@ from spikeguard.workers.checkpoint import remove, retention, select
 
 from . import forensics, rundir
 from . import recovery as rc
-from .collector import Collector, is_finite
+from .collector import Accepted, Collector, is_finite
 from .events import Kind
 from .journal import Journal
 from .launch import reaper
@@ -584,7 +584,10 @@ class Controller:
 
     def _write_report(self, msg: dict[str, Any]) -> None:
         """Append ``msg`` to ``reports.jsonl`` (flushed once a tick, and before a kill waits)."""
-        self._reports.write((json.dumps(msg, separators=(",", ":")) + "\n").encode())
+        if isinstance(msg, Accepted):
+            self._reports.write(msg.record())  # the rank's own line, with ``at``
+        else:  # an exit or hang the collector made
+            self._reports.write((json.dumps(msg, separators=(",", ":")) + "\n").encode())
 
     def _event(self, ev: dict[str, Any]) -> None:
         rec = self.journal.record(ev)

@@ -217,3 +217,36 @@ def test_a_layer_name_that_is_not_a_string_is_refused():
     assert problem(msg) == "wrong_type"
     msg["layers"] = {"blocks.0": {2: 3}}
     assert problem(msg) == "wrong_type"
+
+
+@pytest.mark.parametrize(
+    "raw, verbatim",
+    [
+        (line(), True),
+        (b"  " + line(loss=float("nan")) + b" \t", True),  # NaN tokens, padding: still one line
+        (line(at=5.0), True),  # the rank's own "at" is overridden by the later, appended one
+        (line(loss=1.0)[:-1] + b', "loss": 3.5}', True),  # a duplicate key: the last one counts
+        (line(run="é").replace(b"\\u00e9", "é".encode()), False),  # UTF-8: encoded again
+        (line(run="r\u2028"), True),  # escaped in the line: ASCII
+        (line().replace(b", ", b",\r "), False),  # a carriage return is a line break to some
+        (line() + b"\n", True),
+        (line().decode(), True),
+        (
+            json.dumps({"v": 1, "type": "heartbeat", "gen": 2, "rank": 0, "step": 5}, indent=1),
+            False,
+        ),
+    ],
+)
+def test_reports_jsonl_keeps_the_ranks_line_and_reads_back_as_the_message(col, raw, verbatim):
+    """``reports.jsonl`` gets the rank's own bytes plus ``at`` when they are plain ASCII JSON on
+    one line, the message encoded again otherwise; either way the record is one line that reads
+    back as exactly the message the engine saw."""
+    msg = col.ingest(0, raw, now=101.25)
+    assert msg is not None
+    record = msg.record()
+    assert record.endswith(b"\n") and record.count(b"\n") == 1 and b"\r" not in record
+    back = json.loads(record)
+    assert json.dumps(back, sort_keys=True) == json.dumps(msg, sort_keys=True)  # NaN-safe
+    assert back["at"] == 101.25
+    raw_bytes = raw.encode() if isinstance(raw, str) else raw
+    assert record.startswith(raw_bytes.strip()[:-1]) is verbatim
