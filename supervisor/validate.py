@@ -20,8 +20,10 @@ inside a ``batch_ids`` answer) are only checked for depth.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
+import orjson
 from spikeguard.workers.contract.messages import (
     FORMAT_VERSION,
     MAX_DEPTH,
@@ -52,15 +54,37 @@ def parse(line: bytes | str) -> dict[str, Any]:
     if len(line) > MAX_LINE_BYTES:
         raise Rejected("oversize")
     try:
-        msg = json.loads(line)
+        msg = loads(line)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         raise Rejected("malformed") from None
-    if not isinstance(msg, dict) or too_deep(msg, MAX_DEPTH):
+    if type(msg) is not dict:
         raise Rejected("malformed")
+    for value in msg.values():  # most messages are flat: no need to walk them
+        if type(value) is dict or type(value) is list:
+            if too_deep(msg, MAX_DEPTH):
+                raise Rejected("malformed")
+            break
     why = problem(msg)
     if why is not None:
         raise Rejected(why)
     return msg
+
+
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+"""A run of digits as long as the shortest integer orjson reads as a float (beyond 64 bits)."""
+
+
+def loads(line: bytes | str) -> Any:
+    """``json.loads(line)``, faster: orjson reads the line when it can and gives the same value
+    (a line with a 19-digit number, where orjson turns a large integer into a float, goes to
+    ``json``); what it refuses (NaN and infinities, lone surrogates, a byte-order mark, nesting
+    past 1024 levels, anything else) goes to ``json``, which decides."""
+    if type(line) is bytes and not _LONG_DIGITS.search(line):
+        try:
+            return orjson.loads(line)
+        except Exception:  # json.loads answers (or raises) below
+            pass
+    return json.loads(line)
 
 
 def problem(msg: dict[str, Any]) -> str | None:
@@ -70,10 +94,11 @@ def problem(msg: dict[str, Any]) -> str | None:
     if msg.get("type") not in MESSAGE_TYPES:
         return "unknown_type"
     for key in _REQUIRED_INTS:
-        if not _is_int(msg.get(key)):
+        if type(msg.get(key)) is not int:  # JSON gives int, bool or something else
             return "wrong_type"
     for key in METRICS:
-        if not _number_or_null(msg.get(key)):
+        t = type(msg.get(key))
+        if not (t is float or t is int or t is type(None)):
             return "wrong_type"
     if msg["type"] == "dropped" and not (msg.get("count") is None or _is_int(msg["count"])):
         return "wrong_type"
@@ -147,7 +172,7 @@ def _batch_ids_problem(msg: dict[str, Any]) -> str | None:
 def _range_problem(values: Any) -> str | None:
     """``out_of_range`` when one of ``values`` is an integer beyond ``MAX_SAFE_INT``."""
     for value in values:
-        if _is_int(value) and abs(value) > MAX_SAFE_INT:
+        if type(value) is int and (value > MAX_SAFE_INT or value < -MAX_SAFE_INT):
             return "out_of_range"
     return None
 
