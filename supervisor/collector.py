@@ -40,9 +40,9 @@ class Accepted(dict):  # type: ignore[type-arg]
         """The message as one ``reports.jsonl`` line (newline included): the rank's line with
         the supervisor's ``at`` appended (a later duplicate key wins for every JSON reader), or
         the message encoded again when the line is not plain ASCII JSON on one line."""
-        line = self.line
-        if line is not None and "at" in self:
-            return b'%s,"at":%s}\n' % (line[:-1], json.dumps(self["at"]).encode())
+        line, at = self.line, self.get("at")
+        if line is not None and type(at) is float and math.isfinite(at):
+            return b'%s,"at":%s}\n' % (line[:-1], repr(at).encode())  # json.dumps' own form
         return (json.dumps(self, separators=(",", ":")) + "\n").encode()
 
 
@@ -128,25 +128,45 @@ class Collector:
 
         Never raises: a line that cannot be used (:mod:`.validate`), of an unknown rank or of a
         fenced generation is dropped and counted in ``dropped`` by reason. One bad line costs
-        that line only.
+        that line only. :meth:`read` then :meth:`accept`.
         """
+        msg = self.read(rank, line)
+        return None if msg is None else self.accept(msg, now)
+
+    def read(self, rank: int, line: bytes | str) -> Accepted | None:
+        """The message on one line from ``rank`` if it is valid, of that rank and of the
+        current generation (else None, the drop counted); nothing else is updated until it is
+        :meth:`accept`-ed."""
         try:
-            return self._accept(rank, line, now)
+            msg = Accepted(validate.parse(line))
+            if msg["rank"] != rank or rank not in self.ranks:
+                self._drop("unknown_rank")
+                return None
+            if self.generation is None or msg["gen"] != self.generation:
+                self._drop("stale_generation")
+                return None
+            msg.line = _verbatim(line)
+            return msg
         except validate.Rejected as e:
             self._drop(e.reason)
         except Exception:  # a case validation missed must cost one line, not the supervisor
             self._drop("malformed")
         return None
 
-    def _accept(self, rank: int, line: bytes | str, now: float) -> dict[str, Any] | None:
-        msg = Accepted(validate.parse(line))
-        if msg["rank"] != rank or rank not in self.ranks:
-            self._drop("unknown_rank")
-            return None
-        if self.generation is None or msg["gen"] != self.generation:
+    def accept(self, msg: Accepted, now: float) -> dict[str, Any] | None:
+        """Take a message :meth:`read` returned into the rank's view, stamped with the time
+        ``now`` (``at``); None when its generation was fenced since it was read."""
+        if msg["gen"] != self.generation:
             self._drop("stale_generation")
             return None
-        msg.line = _verbatim(line)
+        try:
+            return self._accept(msg, now)
+        except Exception:  # a case validation missed must cost one line, not the supervisor
+            self._drop("malformed")
+        return None
+
+    def _accept(self, msg: Accepted, now: float) -> dict[str, Any]:
+        rank = msg["rank"]
         msg["at"] = round(now, 3)
         self.now = now
         v = self.ranks[rank]
@@ -156,8 +176,7 @@ class Collector:
             self.rank_dropped = max(self.rank_dropped, int(msg.get("count") or 0))
         if msg["type"] in ("heartbeat", "report"):
             v.step = msg["step"]
-            for k in validate.METRICS:
-                setattr(v, k, msg.get(k))
+            v.loss, v.lr, v.grad_norm = msg.get("loss"), msg.get("lr"), msg.get("grad_norm")
             v.tokens_total += msg.get("tokens") or 0
             if msg.get("total_steps") is not None:
                 v.total_steps = msg["total_steps"]
@@ -186,24 +205,39 @@ class Collector:
         return msg
 
     def ingest_poll(self, poll: RankPoll, now: float) -> list[dict[str, Any]]:
-        """Everything one agent poll brings: the accepted report lines, then (once) the exit."""
+        """Everything one agent poll brings: the accepted report lines, then (once) the exit.
+        :meth:`read_poll` then :meth:`accept_poll`."""
+        return self.accept_poll(poll, self.read_poll(poll), now)
+
+    def read_poll(self, poll: RankPoll) -> list[Accepted]:
+        """The valid messages of one poll's lines (:meth:`read`), not accepted yet."""
         out = []
         for line in poll.lines:
-            msg = self.ingest(poll.rank, line, now)
+            msg = self.read(poll.rank, line)
             if msg is not None:
                 out.append(msg)
+        return out
+
+    def accept_poll(self, poll: RankPoll, msgs: list[Accepted], now: float) -> list[dict[str, Any]]:
+        """Accept what :meth:`read_poll` read of ``poll`` (at ``now``), count what its agent
+        dropped, and add (once) the rank's ``exit``."""
+        out = []
+        for msg in msgs:
+            accepted = self.accept(msg, now)
+            if accepted is not None:
+                out.append(accepted)
         if poll.overflow:
             self.dropped["agent_overflow"] += poll.overflow
         if poll.oversize:
             self.dropped["oversize"] += poll.oversize
         if poll.exit_code is not None:
-            msg = self.exit(poll.rank, poll.exit_code, poll.generation, now)
-            if msg is not None:
+            exited = self.exit(poll.rank, poll.exit_code, poll.generation, now)
+            if exited is not None:
                 for key in ("lost", "log_tail", "host"):
                     value = getattr(poll, key)
                     if value:
-                        msg[key] = value
-                out.append(msg)
+                        exited[key] = value
+                out.append(exited)
         return out
 
     def exit(

@@ -250,3 +250,63 @@ def test_reports_jsonl_keeps_the_ranks_line_and_reads_back_as_the_message(col, r
     assert back["at"] == 101.25
     raw_bytes = raw.encode() if isinstance(raw, str) else raw
     assert record.startswith(raw_bytes.strip()[:-1]) is verbatim
+
+
+def _random_json(rng, depth: int = 0) -> str:
+    """A random JSON text, hostile corners included (integers around 2**53, 2**63 and 2**64
+    and far beyond, floats that overflow or underflow, NaN tokens, escapes, lone surrogates,
+    duplicate keys, deep nesting)."""
+    pick = rng.randrange(12 if depth < 4 else 8)
+    if pick == 0:
+        base = rng.choice([0, 2**53, 2**63, 2**64, 10**30, 10**400])
+        return str(rng.choice([1, -1]) * (base + rng.randint(-2, 2)))
+    if pick == 1:
+        return repr(rng.uniform(-1e6, 1e6))
+    if pick == 2:
+        return rng.choice(["1e400", "-1e400", "1e-400", "2.5E+3", "-0.0", "0.1e-5", "1.0"])
+    if pick == 3:
+        return rng.choice(["NaN", "Infinity", "-Infinity", "true", "false", "null"])
+    if pick == 4:
+        return json.dumps(rng.choice(["", "a\u00e9", "\\", '"', "\x00", "\u2028", "€"]))
+    if pick == 5:
+        return rng.choice(['"\\ud800"', '"\\udfff\\ud800"', '"\\u0041"', '"x\\ny"'])
+    if pick in (6, 7):
+        return repr(rng.random() * 10 ** rng.randint(-30, 30))
+    if pick in (8, 9):
+        items = [_random_json(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+        return "[" + ",".join(items) + "]"
+    keys = [rng.choice(["a", "b", "loss", "step", "\\u00e9"]) for _ in range(rng.randint(0, 4))]
+    return "{" + ",".join(f'"{k}":{_random_json(rng, depth + 1)}' for k in keys) + "}"
+
+
+def test_the_fast_json_reader_reads_every_line_as_json_does(monkeypatch):
+    """``validate.parse`` reads lines with orjson where it can; on random and hostile lines,
+    messages and refusals alike, it gives exactly what it gives with ``json.loads`` alone."""
+    import random
+
+    from spikeguard.supervisor import validate
+
+    rng = random.Random(17)
+    lines = [line(), line(loss=float("nan")), line(step=2**64), line(t=-(2**63) - 1)]
+    lines += [b"\xef\xbb\xbf" + line(), line().replace(b"2.0", b"2.0" * 30), b'{"v":1'] * 1
+    for _ in range(3000):
+        body = _random_json(rng)
+        if rng.random() < 0.5:
+            body = line()[:-1].decode() + ',"extra":' + body + "}"
+        raw = body.encode("utf-8", "surrogatepass")
+        if rng.random() < 0.05:
+            raw = raw[: rng.randrange(len(raw) + 1)]
+        lines.append(raw)
+
+    def outcome(raw: bytes) -> str:
+        try:
+            return repr(validate.parse(raw))
+        except validate.Rejected as e:
+            return "rejected: " + e.reason
+
+    fast = [outcome(raw) for raw in lines]
+    monkeypatch.setattr(validate, "loads", json.loads)
+    slow = [outcome(raw) for raw in lines]
+    assert fast == slow
+    assert sum(o.startswith("{") for o in fast) > 500  # many messages are accepted
+    assert len({o for o in fast if o.startswith("rejected")}) >= 3  # and refused several ways
