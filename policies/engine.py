@@ -41,13 +41,13 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from spikeguard.workers.contract.signals import LAYER_SIGNALS
 
 from .conditions import Change, Trailing
-from .evaluate import Context, Hit, RankMessage, Series, evaluate, number
+from .evaluate import Context, Hit, RankMessage, Series, evaluate, number, screen
 from .schema import FractionOfRanks, Policy, RecoverySettings, Rule
 from .values import Duration
 
@@ -158,6 +158,12 @@ class Engine:
         for c in self.rules:
             for t in c.cadence:
                 self._by_type.setdefault(t, []).append(c)
+        self._screens = [
+            (c.warm_in if c.warm_in > 0 else -math.inf, c.index, c.scope != "any", screen(c.when))
+            for c in self._by_type.get("heartbeat", ())
+        ]
+        """(warm-in, rule index, scoped over ranks, :func:`~.evaluate.screen`) of the rules a
+        heartbeat is evaluated on, for :meth:`quiet`."""
         self._history: dict[str, int] = {}  # signal -> series length it needs
         for c in self.rules:
             for leaf in c.rule.when.leaves():
@@ -187,6 +193,9 @@ class Engine:
         self._groups: dict[tuple[int, int | None], _Firing] = {}
         self._holding: dict[int, dict[int, Hit]] = {}
         """Rule index -> the ranks that hold it now (rules scoped over ranks)."""
+        self._active: dict[tuple[int, int], None] = {}
+        """(rule index, rank) whose condition held on the rank's latest message (part-way
+        through its ``for:``, or holding): the rank's next message may decide (:meth:`quiet`)."""
         self._ranks: set[int] = set()
         self._world_size = 0
         self._max_step: int | None = None
@@ -216,6 +225,50 @@ class Engine:
         for c in [c for c in self._snapshots if c >= step]:
             del self._snapshots[c]  # checkpoints of the abandoned timeline
         self._rewind_from = None
+
+    def pending_ranks(self) -> set[int]:
+        """The ranks on which a rule's condition held on their latest message (part-way through
+        its ``for:``, or holding): their next message may decide, whatever its values, so the
+        supervisor reads them first in a tick, before it validates anything else."""
+        return {rank for _, rank in self._active}
+
+    def quiet(self, msgs: Sequence[dict]) -> bool:
+        """Whether observing ``msgs`` (one rank's messages, in order, next in the stream) is
+        certain to decide nothing: they are heartbeats of the current generation, no rule holds
+        on the rank or is part-way through its ``for:`` there, and no rule's condition can hold
+        on their values (:func:`~.evaluate.cannot_hold`: thresholds, non-finite tests and the
+        trailing-median tests are answered from the values and the window's minimum or
+        maximum; anything else counts as possible).
+
+        The supervisor reads the ranks whose messages are not quiet first in a tick, so that a
+        decision does not wait for every other rank's evaluation. Sound, not exact: ``False``
+        only means a decision is possible. It never changes what is decided.
+        """
+        if self._rewind_from is not None:
+            return False  # a relaunch's first step: the series are about to be rewound
+        extra: dict[str, list[float]] = {}  # this poll's earlier values, per signal
+        active, holding, series = self._active, self._holding, self._series
+        last = len(msgs) - 1
+        for i, msg in enumerate(msgs):
+            if msg.get("type") != "heartbeat" or msg.get("gen") != self.generation:
+                return False
+            rank, step = msg.get("rank"), number(msg.get("step"))
+            if step is None:
+                return False
+            for warm_in, index, scoped, cannot in self._screens:
+                if step < warm_in:
+                    continue
+                # a rule firing on the rank holds there; over ranks, some rank holds it
+                if (index, rank) in active or (scoped and holding.get(index)):
+                    return False
+                if not cannot(msg, series, rank, extra):
+                    return False
+            if i < last:
+                for signal in self._history:
+                    v = number(msg.get(signal))
+                    if v is not None:
+                        extra.setdefault(signal, []).append(v)
+        return True
 
     def retire(self, generation: int) -> None:
         """Ignore every later message of ``generation`` and older (the supervisor killed it)."""
@@ -330,11 +383,17 @@ class Engine:
             inst.count += 1
             inst.hit = hit
             inst.ready = c.persisted(inst, m.step, m.at)
-        hit = None
+        hit, active = None, False
         for inst in per_layer.values():  # the rank holds the rule on its first ready instance
-            if inst.ready:
-                hit = inst.hit
-                break
+            if inst.count:
+                active = True
+                if inst.ready:
+                    hit = inst.hit
+                    break
+        if active:
+            self._active[key] = None
+        elif key in self._active:
+            del self._active[key]
         scope = c.scope
         if scope == "any":
             return self._update(c, m, key, hit, m.rank, str)

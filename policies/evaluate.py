@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from spikeguard.workers.contract.signals import AGGREGATE, LAYER_SIGNALS
@@ -94,7 +94,7 @@ class Series:
     that a trailing window's values are a slice taken in C (:meth:`window`): every heartbeat of
     every rank asks for one."""
 
-    __slots__ = ("first_step", "nonfinite", "steps", "values")
+    __slots__ = ("_extremes", "_since", "first_step", "nonfinite", "steps", "values")
 
     def __init__(self, maxlen: int) -> None:
         self.steps: collections.deque[int] = collections.deque(maxlen=maxlen)
@@ -102,6 +102,8 @@ class Series:
         self.nonfinite = 0
         """How many of ``values`` are NaN or infinite."""
         self.first_step: int | None = None
+        self._extremes: tuple[float, float] | None = None
+        self._since = 0
 
     @property
     def maxlen(self) -> int | None:
@@ -122,8 +124,34 @@ class Series:
             self.nonfinite -= 1  # the oldest point is about to be let go
         if not math.isfinite(value):
             self.nonfinite += 1
+        elif self._extremes is not None:
+            lo, hi = self._extremes
+            if value < lo or value > hi:
+                self._extremes = (min(lo, value), max(hi, value))
+        self._since += 1
         steps.append(step)
         self.values.append(value)
+
+    def extremes(self, exact: bool = False) -> tuple[float, float] | None:
+        """Bounds (lo, hi) of the finite values held: lo <= their minimum, hi >= their maximum
+        (None: no finite value was held when they were last computed). Kept up to date as
+        values come in, and recomputed (exactly their minimum and maximum) when ``exact`` or
+        once every value they were computed on has been let go (until then a value let go may
+        only have loosened them). For :func:`cannot_hold`, asked on every heartbeat."""
+        if self._since and (exact or self._since >= (self.steps.maxlen or 0)):
+            self._extremes = None
+        if self._extremes is None:
+            values: Iterable[float] = self.values
+            if self.nonfinite:
+                values = [x for x in values if math.isfinite(x)]
+            self._extremes = (min(values), max(values)) if values else None
+            self._since = 0
+        return self._extremes
+
+    @property
+    def exact(self) -> bool:
+        """Whether :meth:`extremes` is exactly the minimum and maximum held now."""
+        return self._since == 0 and self._extremes is not None
 
     def _end(self, step: int) -> int:
         """How many points are of steps before ``step`` (steps only ever increase)."""
@@ -282,6 +310,88 @@ def evaluate(cond: Any, ctx: Context) -> Hit | None:
     if kind is Trailing:
         return _trailing(cond, ctx, v)
     raise TypeError(f"unknown condition {kind.__name__}")
+
+
+def cannot_hold(
+    cond: Any, msg: dict, series: dict, rank: Any, earlier: dict[str, list[float]]
+) -> bool:
+    """True only when ``cond`` is certain not to hold on heartbeat ``msg`` of ``rank`` (see
+    :meth:`Engine.quiet`), given the engine's ``series`` and the values of the rank's messages
+    that come before ``msg`` and are not yet in them (``earlier``, per signal). False means it
+    may hold (conditions this does not bound: changes, z-score-only windows, layer signals).
+
+    A trailing window at evaluation time holds finite values of the series as it is now or of
+    ``earlier``, so its median lies between their minimum and maximum (the argument of
+    :func:`_beyond_median_impossible`)."""
+    kind = type(cond)
+    if kind is AllOf:
+        return any(cannot_hold(c, msg, series, rank, earlier) for c in cond.all)
+    if kind is AnyOf:
+        return all(
+            "heartbeat" not in c.cadence() or cannot_hold(c, msg, series, rank, earlier)
+            for c in cond.any
+        )
+    if kind not in (NonFinite, Threshold, Trailing) or cond.signal in LAYER_SIGNALS:
+        return False
+    v = number(msg.get(cond.signal))
+    if v is None:
+        return True  # no value: evaluate() answers None
+    if kind is NonFinite:
+        return math.isfinite(v)
+    if not math.isfinite(v):
+        return True  # the other tests ignore non-finite values
+    if kind is Threshold:
+        return not (
+            (cond.below is not None and v < cond.below)
+            or (cond.above is not None and v > cond.above)
+        )
+    above, below = cond.above_median, cond.below_median
+    if above is None and below is None:
+        return False  # a z-score alone: no bound from the extremes
+    s = series.get((rank, None, cond.signal))
+    values = [x for x in earlier.get(cond.signal, ()) if math.isfinite(x)]
+    for exact in (False, True):  # the kept bounds first; exact ones if those do not settle it
+        bounds = s.extremes(exact) if s is not None else None
+        if bounds is None and not values:
+            return True  # no window at all
+        if above is not None:
+            lo = min(values + [bounds[0]] if bounds else values)
+            if lo > 0 and v <= above * lo:
+                return True
+        elif v >= below * max(values + [bounds[1]] if bounds else values):  # type: ignore[operator]
+            return True
+        if s is None or s.exact:
+            return False
+    return False
+
+
+Screen = Callable[[dict, dict, Any, dict[str, list[float]]], bool]
+"""``(msg, series, rank, earlier) -> bool``: :func:`cannot_hold` for one condition."""
+
+
+def screen(cond: Any) -> Screen:
+    """:func:`cannot_hold` for ``cond``, specialised for the two leaves every heartbeat meets
+    (a non-finite test, a threshold on a heartbeat signal): answered without dispatching."""
+    kind = type(cond)
+    if kind in (NonFinite, Threshold) and cond.signal not in LAYER_SIGNALS:
+        signal = cond.signal
+        if kind is NonFinite:
+
+            def finite(msg: dict, series: dict, rank: Any, earlier: dict) -> bool:
+                v = msg.get(signal)  # number(v) is None or finite unless v is a float
+                return type(v) is not float or math.isfinite(v)
+
+            return finite
+        below, above = cond.below, cond.above
+
+        def within(msg: dict, series: dict, rank: Any, earlier: dict) -> bool:
+            v = number(msg.get(signal))
+            if v is None or not math.isfinite(v):
+                return True
+            return not ((below is not None and v < below) or (above is not None and v > above))
+
+        return within
+    return lambda msg, series, rank, earlier: cannot_hold(cond, msg, series, rank, earlier)
 
 
 def _change(cond: Change, ctx: Context, v: float) -> Hit | None:

@@ -396,6 +396,12 @@ class SpyEngine:
     def retire(self, generation: int) -> None:
         self.engine.retire(generation)
 
+    def quiet(self, msgs: list[dict[str, Any]]) -> bool:
+        return self.engine.quiet(msgs)
+
+    def pending_ranks(self) -> set[int]:
+        return self.engine.pending_ranks()
+
 
 def scripted_controller(run_dir: Path, group: Any, engine: Any, **kw: Any) -> Any:
     """A supervisor ``Controller`` over a scripted group (no Ray), its first generation

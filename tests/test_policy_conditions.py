@@ -404,3 +404,24 @@ def test_the_engine_decides_as_its_straightforward_form_on_random_streams(rules,
     monkeypatch.setattr(eng.Engine, "_evaluate", evaluate_scanning)
     assert decisions() == fast
     assert fast  # the streams do fire: the comparison is not vacuous
+
+
+def test_a_series_extremes_bound_its_finite_values_and_are_exact_when_asked():
+    import math
+    import random
+
+    from spikeguard.policies.evaluate import Series
+
+    rng = random.Random(13)
+    for _ in range(300):
+        s = Series(rng.randint(1, 10))
+        for step in range(rng.randint(0, 40)):
+            s.add(step, rng.choice([rng.uniform(-5, 5), rng.uniform(-5, 5), math.nan, math.inf]))
+            finite = [v for _, v in s.points if math.isfinite(v)]
+            kept = s.extremes()
+            if not finite:  # bounds of values let go may remain: still bounds of a superset
+                assert s.extremes(exact=True) is None
+                continue
+            assert kept is not None and kept[0] <= min(finite) and kept[1] >= max(finite)
+            if rng.random() < 0.3:
+                assert s.extremes(exact=True) == (min(finite), max(finite)) and s.exact

@@ -108,6 +108,90 @@ def test_for_steps_spans_steps_on_heartbeats():
     assert run(pol, msgs + [heartbeat(0, 12, loss=2.0), heartbeat(0, 13, loss=4.0)]) == []
 
 
+def test_a_rank_part_way_through_a_for_window_is_not_quiet():
+    """A rank whose rule held on its latest message (part-way through ``for:``, or holding) is
+    never quiet: its next message may decide. It is again once the condition breaks."""
+    engine = Engine(policy("when: loss > 3\nfor: 3 steps"))
+    seen = []
+    for m in [
+        heartbeat(0, 10, loss=4.0),
+        heartbeat(1, 10, loss=2.0),
+        heartbeat(0, 11, loss=4.0),
+        heartbeat(1, 11, loss=4.0),
+        heartbeat(0, 12, loss=4.0),  # rank 0 fires: it holds
+        heartbeat(1, 12, loss=2.0),  # rank 1's streak breaks
+    ]:
+        fired = engine.observe(m)
+        calm = [engine.quiet([heartbeat(r, m["step"] + 1, loss=2.0)]) for r in (0, 1)]
+        seen.append((m["rank"], m["step"], bool(fired), calm))
+    assert seen == [
+        (0, 10, False, [False, True]),
+        (1, 10, False, [False, True]),
+        (0, 11, False, [False, True]),
+        (1, 11, False, [False, False]),
+        (0, 12, True, [False, False]),
+        (1, 12, False, [False, True]),
+    ]
+    assert not engine.quiet([heartbeat(1, 13, loss=3.5)])  # the value itself may hold
+    assert engine.quiet([heartbeat(1, 13, loss=3.0)])  # strictly above 3: cannot
+    assert not engine.quiet([heartbeat(1, 13, loss=2.0, gen=1)])  # a relaunch: not foreseen
+    assert not engine.quiet([report(1, 13, grade=7)])  # only heartbeats are screened
+
+
+@pytest.mark.parametrize(
+    "rule, bounded",
+    [
+        ("when: loss > 3", True),
+        ("when: loss > 3\nfor: 2 steps", True),
+        ("when: loss is nonfinite", True),
+        ("when: grad_norm < 0.5", True),
+        ("when: grad_norm < 0.5\nranks: {at_least: 2}", True),
+        (
+            "when: {signal: loss, above_median: 1.3, z_above: 3, window: 6 steps}\nfor: 2 steps",
+            True,
+        ),
+        ("when: {signal: loss, above_median: 1.3, window: 6 steps}", True),
+        ("when: {signal: loss, below_median: 0.7, window: 4 samples}", True),
+        ("when: {any: [loss > 3, {signal: loss, above_median: 1.5, window: 5 steps}]}", True),
+        ("when: {all: [loss > 2.2, grad_norm is nonfinite]}", True),
+        ("when: loss > 3\ncooldown: 4 steps", True),
+        ("when: {signal: loss, z_above: 2, window: 5 steps}", False),  # no bound
+        ("when: {signal: loss, rises_by: 1, within: 3 steps}", False),
+    ],
+)
+def test_a_quiet_screen_is_never_wrong_on_random_streams(rule, bounded):
+    """Whatever the engine says is quiet decides nothing when it is observed: random streams of
+    four ranks (spikes, dips, NaNs, skipped steps, several steps in one poll, a relaunch), each
+    poll screened just before it is observed. And the screen is not vacuous: where the
+    condition has a bound, a good share of the polls is quiet."""
+    rng = random.Random(3)
+    engine = Engine(policy(rule, action="notify"))
+    quiet = screened = 0
+    step = {r: 0 for r in range(4)}
+    for tick in range(1000):
+        gen = 0 if tick < 600 else 1
+        if tick == 600:
+            step = {r: 120 for r in range(4)}
+        for r in rng.sample(range(4), 4):
+            poll = []
+            for _ in range(rng.choice([1, 1, 1, 2, 3])):
+                step[r] += rng.choice([1, 1, 1, 2])
+                loss = rng.choice(
+                    [2.0 + rng.gauss(0, 0.05)] * 8
+                    + [rng.uniform(0.5, 4.5), rng.uniform(1.2, 3.0), 4.0, 0.5, math.nan]
+                )
+                grad = rng.choice([1.0] * 8 + [rng.uniform(0.1, 1.0), math.inf])
+                poll.append(heartbeat(r, step[r], loss=loss, grad_norm=grad, gen=gen))
+            said_quiet = engine.quiet(poll)
+            decided = [d for m in poll for d in engine.observe(m)]
+            screened += 1
+            if said_quiet:
+                quiet += 1
+                assert decided == [], (rule, tick, r, poll, decided)
+    # unbounded: only polls whose values the test ignores (NaN) are quiet
+    assert quiet > screened * 0.3 if bounded else quiet < screened * 0.1, (quiet, screened)
+
+
 def test_for_time_uses_the_supervisor_clock():
     pol = policy("when: loss > 3\nfor: 30s")
     msgs = [heartbeat(0, s, loss=4.0, at=100.0 + 10 * s) for s in range(4)]  # at 100, 110, 120, 130
