@@ -14,6 +14,7 @@ Timeouts use monotonic clocks only (the journal's ``mono``); a wall-clock jump c
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import os
 import socket
@@ -44,6 +45,11 @@ STATUS_EVERY_S = 1.0
 """How often ``status.json`` is rewritten while nothing but the ranks' progress changes."""
 STANDBY_CHECK_S = 1.0
 """How often the warm standby is looked after (started, replaced, discarded)."""
+FULL_GC_EVERY_S = 60.0
+"""How often :meth:`Controller.run` collects cyclic garbage of every generation, between two
+ticks. Left to the interpreter, a full collection comes every few seconds at a thousand ranks
+and stops the loop for as long as it scans every live object (100-200 ms on a 2-core machine):
+in the middle of a tick, that is a decision's latency."""
 
 
 class Controller:
@@ -117,11 +123,15 @@ class Controller:
         self._preempt_reason: str | None = None
         self._awaited: tuple[int, float] | None = None
         """(request id, monotonic deadline) of a checkpoint request the machine waits for."""
-        self._unread: collections.deque[tuple[RankPoll, float]] = collections.deque()
-        """The current tick's polls (with the time they came) not read yet: a decision on one
-        rank's message does not wait for the validation of the other ranks' lines."""
+        self._unread_polls: collections.deque[tuple[RankPoll, float]] = collections.deque()
+        """The current tick's polls (with the time they came) not validated yet."""
+        self._unread: collections.deque[tuple[RankPoll, list[Accepted], float]] = (
+            collections.deque()
+        )
+        """The current tick's polls validated but not evaluated yet (with their messages and
+        the time they came), in the order :meth:`_read_tick` chose."""
         self._unfed: collections.deque[dict[str, Any]] = collections.deque()
-        """Accepted messages of the current poll not recorded and evaluated yet."""
+        """Accepted messages of the rank being evaluated not recorded and evaluated yet."""
         self._reports = open(self.run_dir / "reports.jsonl", "ab")
         self._last_reap = self.journal.mono()
         self._effects: dict[type, Callable[[Any], rc.Observation | None]] = {
@@ -136,13 +146,22 @@ class Controller:
     def run(self, resume_events: list[dict[str, Any]] | None = None) -> int:
         """Run to the end. ``resume_events``: the journal of a run a dead supervisor left."""
         self._write_status()
-        if resume_events:
-            self.restart(resume_events)
-        else:
-            self._apply(rc.Start(self.launch_retries))
-        while self.state.phase not in rc.EXITS:
-            self.step()
-            time.sleep(self.poll_interval_s)
+        thresholds = gc.get_threshold()
+        gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)  # full collections: ours
+        last_full = time.monotonic()
+        try:
+            if resume_events:
+                self.restart(resume_events)
+            else:
+                self._apply(rc.Start(self.launch_retries))
+            while self.state.phase not in rc.EXITS:
+                self.step()
+                if time.monotonic() - last_full >= FULL_GC_EVERY_S:
+                    gc.collect()  # between ticks (FULL_GC_EVERY_S)
+                    last_full = time.monotonic()
+                time.sleep(self.poll_interval_s)
+        finally:
+            gc.set_threshold(*thresholds)
         self._write_status()
         return self.state.exit_code or 0
 
@@ -185,13 +204,11 @@ class Controller:
         if self._preempt_reason is not None and self.state.phase not in rc.EXITS:
             self._apply(rc.Preempt(self._preempt_reason))
         if self.state.phase in (*rc.ACTIVE, rc.Phase.PREEMPTING):
-            for poll in self.group.poll():
+            polls = self.group.poll()
+            for poll in polls:
                 if self.on_output is not None and (poll.output or poll.output_skipped):
                     self.on_output(poll)
-                self._unread.append((poll, now))
-            while self._unread:  # one rank's poll at a time: read, record, decide
-                poll, at = self._unread.popleft()
-                self._feed_all(self.collector.ingest_poll(poll, at))
+            self._read_tick(polls, now)
             self._feed_all(self.collector.check_hangs(now))
             self._reports.flush()
             if now - self._last_reap >= self.reap_interval_s and self.state.phase in rc.ACTIVE:
@@ -212,6 +229,44 @@ class Controller:
         self._write_status(every_s=STATUS_EVERY_S)
         return self.state
 
+    def _read_tick(self, polls: list[RankPoll], now: float) -> None:
+        """Read, record and evaluate a tick's polls, in the order that decides soonest:
+
+        1. the ranks a rule is part-way to firing on, or holds on (``Engine.pending_ranks``):
+           their next message may decide whatever it says, so each is read and evaluated
+           before anything else is validated;
+        2. the other polls are validated, and those whose messages may decide something
+           (``Engine.quiet`` says no: a value a rule's condition may hold on, a message that
+           is not a heartbeat) are evaluated next, each in poll order;
+        3. then the quiet ones, which decide nothing.
+
+        In lockstep every rank's heartbeat arrives in the same tick; a decision no longer waits
+        for the evaluation of every rank read before it (a thousand ranks: a whole tick). The
+        order within a tick is the supervisor's to choose (a tick's polls come in rank order,
+        not in arrival order); a rank's own messages keep theirs, and ``reports.jsonl`` records
+        the messages in the order they were evaluated, so a replay decides the same. The order
+        never changes a decision, only when in the tick it is made (one case the screen does
+        not foresee: a rule scoped over ranks that ranks evaluated in between bring to the edge
+        of firing; it is then decided in its turn, later in the tick)."""
+        pending = self.engine.pending_ranks()
+        first = [p for p in polls if p.rank in pending]
+        self._unread_polls.extend((p, now) for p in first)
+        self._unread_polls.extend((p, now) for p in polls if p.rank not in pending)
+        for _ in first:  # 1.
+            if not self._unread_polls:
+                break  # a decision fenced the generation: the kill recorded the rest
+            poll, at = self._unread_polls.popleft()
+            self._feed_all(self.collector.ingest_poll(poll, at))
+        quiet: list[tuple[RankPoll, list[Accepted], float]] = []
+        while self._unread_polls:  # 2. and 3.: validated first, taken in when evaluated
+            poll, at = self._unread_polls.popleft()
+            msgs = self.collector.read_poll(poll)
+            may_decide = poll.exit_code is not None or (msgs and not self.engine.quiet(msgs))
+            (self._unread if may_decide else quiet).append((poll, msgs, at))
+        self._unread.extend(quiet)
+        while self._unread:
+            self._feed_all(self.collector.accept_poll(*self._unread.popleft()))
+
     # -- messages -> decisions -> observations --------------------------------------------------
     def _feed_all(self, msgs: list[dict[str, Any]]) -> None:
         """Record and evaluate accepted messages one by one, in arrival order (a decision comes
@@ -225,13 +280,16 @@ class Controller:
             self._feed(msg)
 
     def _record_unfed(self) -> None:
-        """Accept and record, without evaluating, what this tick brought and was not fed yet
-        (the generation is being fenced: the rest of the tick, such as the steps a slower rank
-        had queued)."""
+        """Record, without evaluating, what this tick brought and was not fed yet (the
+        generation is being fenced: the rest of the tick, such as the steps a slower rank had
+        queued)."""
         while self._unfed:
             self._write_report(self._unfed.popleft())
         while self._unread:
-            poll, at = self._unread.popleft()
+            for msg in self.collector.accept_poll(*self._unread.popleft()):
+                self._write_report(msg)
+        while self._unread_polls:
+            poll, at = self._unread_polls.popleft()
             for msg in self.collector.ingest_poll(poll, at):
                 self._write_report(msg)
         self._reports.flush()

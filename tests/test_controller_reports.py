@@ -101,3 +101,63 @@ def test_a_fence_mid_poll_still_records_the_rest_of_the_poll_in_order(tmp_path: 
     # evaluated: everything up to and including the message that fired, nothing after it
     seen = [(m["rank"], m["step"]) for m in spy.seen]
     assert seen[-1] == (0, 10) and (1, 5) not in seen
+
+
+class LockstepGroup:
+    """Three ranks in lockstep, one step per tick; rank 2's loss is high from step 1 on."""
+
+    def __init__(self) -> None:
+        self.gen = 0
+        self.step = -1
+
+    def launch(self, *, generation: int, **_: Any) -> list[LaunchedRank]:
+        self.gen = generation
+        return [
+            LaunchedRank(rank=r, pid=1000 + r, generation=generation, report="-", port=1)
+            for r in range(3)
+        ]
+
+    def poll(self, timeout_s: float = 0.5) -> list[RankPoll]:
+        self.step += 1
+        s, g = self.step, self.gen
+        return [
+            RankPoll(rank=r, generation=g, lines=(_line(g, r, s, 9.0 if r == 2 and s else 2.0),))
+            for r in range(3)
+        ]
+
+    def kill(self, grace_s: float = 0.0) -> KillReport:
+        return KillReport(duration_s=0.0)
+
+
+def test_a_rank_whose_message_may_decide_is_evaluated_first_in_its_tick(tmp_path: Path) -> None:
+    """From step 1 rank 2's loss may hold the rule (its value is above the threshold; then it
+    is part-way through ``for:``; then it holds): its messages are evaluated before those of
+    ranks 0 and 1 (quiet: their values cannot hold it), the rule fires on it first thing in its
+    tick, and ``reports.jsonl`` records the order they were evaluated in (a replay decides the
+    same)."""
+    from spikeguard.policies import load_policy_text, replay
+
+    policy = """
+version: 1
+name: spike
+warm_in: 0 steps
+rules:
+  - {name: loss-high, when: loss > 5, for: 2 steps, action: notify}
+"""
+    spy = SpyEngine(policy)
+    ctl = scripted_controller(tmp_path, LockstepGroup(), spy, world_size=3)
+    for _ in range(4):
+        ctl.step()
+    ctl.close()
+    order = [(m["step"], m["rank"]) for m in spy.seen]
+    assert order[:3] == [(0, 0), (0, 1), (0, 2)]  # every rank quiet: poll order
+    assert order[3:6] == [(1, 2), (1, 0), (1, 1)]  # rank 2's value may hold the rule
+    assert order[6:9] == [(2, 2), (2, 0), (2, 1)]  # part-way through for: (and it fires)
+    assert order[9:12] == [(3, 2), (3, 0), (3, 1)]  # holding: its next message may resolve
+    recorded = [json.loads(ln) for ln in (tmp_path / "reports.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["rank"]) for m in recorded] == order
+    journal = [json.loads(ln) for ln in (tmp_path / "journal.jsonl").read_text().splitlines()]
+    alerts = [e for e in journal if e["kind"] == "alert"]
+    assert [(a["rank"], a["step"]) for a in alerts] == [(2, 2)]
+    decided = replay(load_policy_text(policy), recorded)
+    assert [(d.rank, d.step) for d in decided] == [(2, 2)]
