@@ -3,7 +3,8 @@
 Layout (``RUN_DIR``)::
 
     journal.jsonl        the event log (journal.py)
-    reports.jsonl        every accepted rank message
+    reports.jsonl        every accepted rank message, as the rank sent it plus the
+                         supervisor's ``at``, in the order it was evaluated
     status.json          the current state, rewritten every poll
     FENCE                the current generation; older ranks may not publish checkpoints
     STOP                 written by ``spikeguard stop``
