@@ -259,7 +259,7 @@ class Engine:
                 if step < warm_in:
                     continue
                 # a rule firing on the rank holds there; over ranks, some rank holds it
-                if (index, rank) in active or (scoped and holding.get(index)):
+                if (active and (index, rank) in active) or (scoped and holding.get(index)):
                     return False
                 if not cannot(msg, series, rank, extra):
                     return False

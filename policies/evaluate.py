@@ -370,8 +370,9 @@ Screen = Callable[[dict, dict, Any, dict[str, list[float]]], bool]
 
 
 def screen(cond: Any) -> Screen:
-    """:func:`cannot_hold` for ``cond``, specialised for the two leaves every heartbeat meets
-    (a non-finite test, a threshold on a heartbeat signal): answered without dispatching."""
+    """:func:`cannot_hold` for ``cond``, specialised for the leaves every heartbeat meets (a
+    non-finite test, a threshold, a trailing median on a heartbeat signal): answered without
+    dispatching."""
     kind = type(cond)
     if kind in (NonFinite, Threshold) and cond.signal not in LAYER_SIGNALS:
         signal = cond.signal
@@ -391,6 +392,34 @@ def screen(cond: Any) -> Screen:
             return not ((below is not None and v < below) or (above is not None and v > above))
 
         return within
+    if kind is Trailing and cond.signal not in LAYER_SIGNALS:
+        signal, above, below = cond.signal, cond.above_median, cond.below_median
+        if above is None and below is None:
+            return lambda msg, series, rank, earlier: False  # a z-score alone: no bound
+
+        def beyond(msg: dict, series: dict, rank: Any, earlier: dict) -> bool:
+            if earlier:  # the poll's earlier messages: the general form
+                return cannot_hold(cond, msg, series, rank, earlier)
+            v = number(msg.get(signal))
+            if v is None or not math.isfinite(v):
+                return True
+            s = series.get((rank, None, signal))
+            if s is None:
+                return True  # no window at all
+            for exact in (False, True):  # as in cannot_hold
+                bounds = s.extremes(exact)
+                if bounds is None:
+                    return True
+                if above is not None:
+                    if bounds[0] > 0 and v <= above * bounds[0]:
+                        return True
+                elif v >= below * bounds[1]:  # type: ignore[operator]
+                    return True
+                if s.exact:
+                    return False
+            return False
+
+        return beyond
     return lambda msg, series, rank, earlier: cannot_hold(cond, msg, series, rank, earlier)
 
 

@@ -33,14 +33,14 @@ class Accepted(dict):  # type: ignore[type-arg]
 
     __slots__ = ("line",)
 
-    line: bytes | None
-    """The line as received (``at`` is not in it), or None when it cannot be copied verbatim."""
+    line: bytes | str
+    """The line as received (``at`` is not in it)."""
 
     def record(self) -> bytes:
         """The message as one ``reports.jsonl`` line (newline included): the rank's line with
         the supervisor's ``at`` appended (a later duplicate key wins for every JSON reader), or
         the message encoded again when the line is not plain ASCII JSON on one line."""
-        line, at = self.line, self.get("at")
+        line, at = _verbatim(self.line), self.get("at")
         if line is not None and type(at) is float and math.isfinite(at):
             return b'%s,"at":%s}\n' % (line[:-1], repr(at).encode())  # json.dumps' own form
         return (json.dumps(self, separators=(",", ":")) + "\n").encode()
@@ -145,7 +145,7 @@ class Collector:
             if self.generation is None or msg["gen"] != self.generation:
                 self._drop("stale_generation")
                 return None
-            msg.line = _verbatim(line)
+            msg.line = line
             return msg
         except validate.Rejected as e:
             self._drop(e.reason)

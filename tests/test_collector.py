@@ -305,7 +305,7 @@ def test_the_fast_json_reader_reads_every_line_as_json_does(monkeypatch):
             return "rejected: " + e.reason
 
     fast = [outcome(raw) for raw in lines]
-    monkeypatch.setattr(validate, "loads", json.loads)
+    monkeypatch.setattr(validate, "_fast_loads", lambda raw: None)  # json.loads alone
     slow = [outcome(raw) for raw in lines]
     assert fast == slow
     assert sum(o.startswith("{") for o in fast) > 500  # many messages are accepted
