@@ -261,6 +261,17 @@ def run_scale(ranks: int, measured_steps: int, profile: str | None = None) -> di
         remote_reap=False,
         reap_interval_s=1e9,
     )
+    appends: list[tuple[float, float]] = []  # (when, ms) of each journal append (fsynced)
+    record = controller.journal.record
+
+    def timed_record(event: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        try:
+            return record(event)
+        finally:
+            appends.append((t0, (time.perf_counter() - t0) * 1e3))
+
+    controller.journal.record = timed_record  # type: ignore[method-assign]
     controller.run()
     cpu = time.process_time() - phase["cpu"]
     wall = time.perf_counter() - phase["wall"]
@@ -302,6 +313,7 @@ def run_scale(ranks: int, measured_steps: int, profile: str | None = None) -> di
         "burst ms": max(burst_ms) if burst_ms else math.nan,
         "burst cpu ms": max(burst_cpu_ms) if burst_cpu_ms else math.nan,
         "fired": f"{len(fired)}/{len(group.injected)}",
+        "journal max ms": max((ms for t, ms in appends if t >= phase["wall"]), default=math.nan),
         "cores": sup_cpu / measured_steps,
         "cpu/wall": sup_cpu / wall,
         "rss MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -324,6 +336,7 @@ COLUMNS = (
     ("burst ms", ".1f"),
     ("burst cpu ms", ".1f"),
     ("fired", ""),
+    ("journal max ms", ".1f"),
     ("cores", ".3f"),
     ("cpu/wall", ".2f"),
     ("rss MB", ".0f"),
@@ -362,7 +375,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "step: the rank is pending), nan p50/p99: a NaN loss (decided on its first message), "
         "poll handed the lines over -> decision fsynced in the journal, in wall time (cpu: the "
         "supervisor's own CPU time); burst: the slowest entropy collapse decided inside the "
-        "report burst of every rank"
+        "report burst of every rank; journal max: the slowest journal append (an fsync) of the "
+        "measured phase, which the decisions after it in its tick wait for"
     )
     return rows
 

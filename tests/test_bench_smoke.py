@@ -68,6 +68,7 @@ def test_scale_smoke() -> None:
     assert row["fired"] == f"{injected}/{injected}" and injected > 0  # every injection decided
     assert 0 < row["spike p50 ms"] <= row["spike p99 ms"]  # decided on a pending rank
     assert 0 < row["nan p50 ms"] <= row["nan p99 ms"]  # decided on its first message
+    assert row["journal max ms"] > 0
     assert row["dropped"] == 0 and row["other alerts"] == 0
     assert row["cores"] > 0 and row["rss MB"] > 0
 
