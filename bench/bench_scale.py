@@ -26,7 +26,7 @@ original says ``recover``: the path from message to the first journaled event is
 Decision latency: from the moment the poll hands the tick's lines to the controller to the
 moment the decision's event is fsynced in the journal.
 
-    python3 bench/bench_scale.py [--ranks 1024 4096] [--profile FILE]
+    python3 bench/bench_scale.py [--ranks 1024 4096] [--profile FILE] [--tmp DIR]
 """
 
 from __future__ import annotations
@@ -216,14 +216,16 @@ class Decisions:
             self.seen.append(((time.perf_counter(), time.process_time()), event))
 
 
-def run_scale(ranks: int, measured_steps: int, profile: str | None = None) -> dict[str, Any]:
+def run_scale(
+    ranks: int, measured_steps: int, profile: str | None = None, tmp: str | None = None
+) -> dict[str, Any]:
     """One run with ``ranks`` simulated ranks; returns its row of the table."""
     last = WARM_UNTIL + measured_steps
     group = SimGroup(ranks, last)
     decisions = Decisions()
     from spikeguard.policies import Engine
 
-    run_dir = tempfile.mkdtemp(prefix=f"sg-scale-{ranks}-")
+    run_dir = tempfile.mkdtemp(prefix=f"sg-scale-{ranks}-", dir=tmp)
     phase: dict[str, Any] = {"tick": 0}
 
     def on_tick(c: Controller) -> None:
@@ -352,6 +354,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--steps", type=int, default=200, help="measured simulated seconds (>= 200)")
     p.add_argument("--profile", default=None, help="cProfile the measured phase to FILE.<ranks>")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
+    p.add_argument(
+        "--tmp",
+        default=None,
+        help="where the run directory (journal, reports.jsonl) is made; default: the system's "
+        "temporary directory (/dev/shm: a journal whose fsync never waits for a disk)",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.ranks, args.steps = [32], 200
@@ -365,7 +373,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     for n in args.ranks:
         t0 = time.time()
-        rows.append(run_scale(n, args.steps, args.profile))
+        rows.append(run_scale(n, args.steps, args.profile, args.tmp))
         print(f"  {n} ranks done in {time.time() - t0:.0f}s", flush=True)
     print()
     print(table(rows, COLUMNS))
