@@ -392,10 +392,12 @@ def screen(cond: Any) -> Screen:
             return not ((below is not None and v < below) or (above is not None and v > above))
 
         return within
-    if kind is Trailing and cond.signal not in LAYER_SIGNALS:
+    if (
+        kind is Trailing
+        and cond.signal not in LAYER_SIGNALS
+        and (cond.above_median is not None or cond.below_median is not None)
+    ):
         signal, above, below = cond.signal, cond.above_median, cond.below_median
-        if above is None and below is None:
-            return lambda msg, series, rank, earlier: False  # a z-score alone: no bound
 
         def beyond(msg: dict, series: dict, rank: Any, earlier: dict) -> bool:
             if earlier:  # the poll's earlier messages: the general form
