@@ -196,6 +196,9 @@ class Engine:
         self._active: dict[tuple[int, int], None] = {}
         """(rule index, rank) whose condition held on the rank's latest message (part-way
         through its ``for:``, or holding): the rank's next message may decide (:meth:`quiet`)."""
+        self._building: dict[tuple[int, int], None] = {}
+        """The part of ``_active`` not holding yet: part-way through ``for:``
+        (:meth:`pending_ranks`)."""
         self._ranks: set[int] = set()
         self._world_size = 0
         self._max_step: int | None = None
@@ -227,10 +230,13 @@ class Engine:
         self._rewind_from = None
 
     def pending_ranks(self) -> set[int]:
-        """The ranks on which a rule's condition held on their latest message (part-way through
-        its ``for:``, or holding): their next message may decide, whatever its values, so the
-        supervisor reads them first in a tick, before it validates anything else."""
-        return {rank for _, rank in self._active}
+        """The ranks a rule is part-way to firing on: its condition held on their latest
+        message, not yet for as long as its ``for:`` asks. Their next message may fire it,
+        whatever its values, so the supervisor reads them first in a tick, before it validates
+        anything else. (A rank on which a rule already holds is not pending: its next message
+        can only resolve it, or fire it again after a cooldown; :meth:`quiet` still counts it
+        as one that may decide.)"""
+        return {rank for _, rank in self._building}
 
     def quiet(self, msgs: Sequence[dict]) -> bool:
         """Whether observing ``msgs`` (one rank's messages, in order, next in the stream) is
@@ -394,6 +400,10 @@ class Engine:
             self._active[key] = None
         elif key in self._active:
             del self._active[key]
+        if active and hit is None:  # held, not yet for long enough
+            self._building[key] = None
+        elif key in self._building:
+            del self._building[key]
         scope = c.scope
         if scope == "any":
             return self._update(c, m, key, hit, m.rank, str)

@@ -130,6 +130,7 @@ class Controller:
         )
         """The current tick's polls validated but not evaluated yet (with their messages and
         the time they came), in the order :meth:`_read_tick` chose."""
+        self._screen_failed = False
         self._unfed: collections.deque[dict[str, Any]] = collections.deque()
         """Accepted messages of the rank being evaluated not recorded and evaluated yet."""
         self._reports = open(self.run_dir / "reports.jsonl", "ab")
@@ -232,12 +233,14 @@ class Controller:
     def _read_tick(self, polls: list[RankPoll], now: float) -> None:
         """Read, record and evaluate a tick's polls, in the order that decides soonest:
 
-        1. the ranks a rule is part-way to firing on, or holds on (``Engine.pending_ranks``):
-           their next message may decide whatever it says, so each is read and evaluated
-           before anything else is validated;
+        1. the ranks a rule is part-way to firing on (its ``for:`` not reached yet,
+           ``Engine.pending_ranks``): their next message may fire it whatever it says, so each
+           is read and evaluated before anything else is validated (a rank a rule already
+           holds on is not among them: a thousand ranks holding a warning would make this the
+           whole tick);
         2. the other polls are validated, and those whose messages may decide something
-           (``Engine.quiet`` says no: a value a rule's condition may hold on, a message that
-           is not a heartbeat) are evaluated next, each in poll order;
+           (``Engine.quiet`` says no: a rule active on the rank, a value a rule's condition may
+           hold on, a message that is not a heartbeat) are evaluated next, in poll order;
         3. then the quiet ones, which decide nothing.
 
         In lockstep every rank's heartbeat arrives in the same tick; a decision no longer waits
@@ -261,11 +264,22 @@ class Controller:
         while self._unread_polls:  # 2. and 3.: validated first, taken in when evaluated
             poll, at = self._unread_polls.popleft()
             msgs = self.collector.read_poll(poll)
-            may_decide = poll.exit_code is not None or (msgs and not self.engine.quiet(msgs))
+            may_decide = poll.exit_code is not None or (msgs and not self._quiet(msgs))
             (self._unread if may_decide else quiet).append((poll, msgs, at))
         self._unread.extend(quiet)
         while self._unread:
             self._feed_all(self.collector.accept_poll(*self._unread.popleft()))
+
+    def _quiet(self, msgs: list[Accepted]) -> bool:
+        """``Engine.quiet``; a screen that fails costs the order of the tick (its messages are
+        taken as ones that may decide), never the supervisor."""
+        try:
+            return bool(self.engine.quiet(msgs))
+        except Exception as e:
+            if not self._screen_failed:
+                self._screen_failed = True
+                print(f"spikeguard: the policy engine's screen failed ({e!r}); read in order")
+            return False
 
     # -- messages -> decisions -> observations --------------------------------------------------
     def _feed_all(self, msgs: list[dict[str, Any]]) -> None:

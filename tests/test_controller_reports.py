@@ -161,3 +161,31 @@ rules:
     assert [(a["rank"], a["step"]) for a in alerts] == [(2, 2)]
     decided = replay(load_policy_text(policy), recorded)
     assert [(d.rank, d.step) for d in decided] == [(2, 2)]
+
+
+def test_a_screen_that_fails_costs_the_order_not_the_supervisor(tmp_path: Path, capsys) -> None:
+    """If the engine's screen raises, the tick is read in poll order and every decision is
+    still made (it never decides anything itself)."""
+    policy = """
+version: 1
+name: spike
+warm_in: 0 steps
+rules:
+  - {name: loss-high, when: loss > 5, for: 2 steps, action: notify}
+"""
+    spy = SpyEngine(policy)
+
+    def broken(msgs: Any) -> bool:
+        raise RuntimeError("screen bug")
+
+    spy.quiet = broken  # type: ignore[method-assign]
+    ctl = scripted_controller(tmp_path, LockstepGroup(), spy, world_size=3)
+    for _ in range(4):
+        ctl.step()
+    ctl.close()
+    order = [(m["step"], m["rank"]) for m in spy.seen]
+    assert order[3:6] == [(1, 0), (1, 1), (1, 2)]  # poll order: nothing screened
+    assert order[6] == (2, 2)  # still part-way through for: (pending comes before screening)
+    journal = [json.loads(ln) for ln in (tmp_path / "journal.jsonl").read_text().splitlines()]
+    assert [(a["rank"], a["step"]) for a in journal if a["kind"] == "alert"] == [(2, 2)]
+    assert capsys.readouterr().out.count("screen failed") == 1

@@ -110,7 +110,8 @@ def test_for_steps_spans_steps_on_heartbeats():
 
 def test_a_rank_part_way_through_a_for_window_is_not_quiet():
     """A rank whose rule held on its latest message (part-way through ``for:``, or holding) is
-    never quiet: its next message may decide. It is again once the condition breaks."""
+    never quiet: its next message may decide. It is again once the condition breaks. Only a
+    rank part-way through ``for:`` is pending (read before the rest of its tick is validated)."""
     engine = Engine(policy("when: loss > 3\nfor: 3 steps"))
     seen = []
     for m in [
@@ -132,10 +133,15 @@ def test_a_rank_part_way_through_a_for_window_is_not_quiet():
         (0, 12, True, [False, False]),
         (1, 12, False, [False, True]),
     ]
-    assert not engine.quiet([heartbeat(1, 13, loss=3.5)])  # the value itself may hold
-    assert engine.quiet([heartbeat(1, 13, loss=3.0)])  # strictly above 3: cannot
-    assert not engine.quiet([heartbeat(1, 13, loss=2.0, gen=1)])  # a relaunch: not foreseen
-    assert not engine.quiet([report(1, 13, grade=7)])  # only heartbeats are screened
+    assert engine.pending_ranks() == set()  # rank 0 holds (fired), rank 1 broke off
+    engine.observe(heartbeat(1, 13, loss=4.0))
+    assert engine.pending_ranks() == {1}  # part-way through for: again
+    assert not engine.quiet([heartbeat(1, 14, loss=2.0)])
+    engine.observe(heartbeat(1, 14, loss=2.0))
+    assert not engine.quiet([heartbeat(1, 15, loss=3.5)])  # the value itself may hold
+    assert engine.quiet([heartbeat(1, 15, loss=3.0)])  # strictly above 3: cannot
+    assert not engine.quiet([heartbeat(1, 15, loss=2.0, gen=1)])  # a relaunch: not foreseen
+    assert not engine.quiet([report(1, 15, grade=7)])  # only heartbeats are screened
 
 
 @pytest.mark.parametrize(
