@@ -242,7 +242,7 @@ class Engine:
         """Whether observing ``msgs`` (one rank's messages, in order, next in the stream) is
         certain to decide nothing: they are heartbeats of the current generation, no rule holds
         on the rank or is part-way through its ``for:`` there, and no rule's condition can hold
-        on their values (:func:`~.evaluate.cannot_hold`: thresholds, non-finite tests and the
+        on their values (:func:`~.evaluate.screen`: thresholds, non-finite tests and the
         trailing-median tests are answered from the values and the window's minimum or
         maximum; anything else counts as possible).
 

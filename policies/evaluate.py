@@ -137,7 +137,7 @@ class Series:
         (None: no finite value was held when they were last computed). Kept up to date as
         values come in, and recomputed (exactly their minimum and maximum) when ``exact`` or
         once every value they were computed on has been let go (until then a value let go may
-        only have loosened them). For :func:`cannot_hold`, asked on every heartbeat."""
+        only have loosened them). For :func:`screen`, asked on every heartbeat."""
         if self._since and (exact or self._since >= (self.steps.maxlen or 0)):
             self._extremes = None
         if self._extremes is None:
@@ -312,117 +312,79 @@ def evaluate(cond: Any, ctx: Context) -> Hit | None:
     raise TypeError(f"unknown condition {kind.__name__}")
 
 
-def cannot_hold(
-    cond: Any, msg: dict, series: dict, rank: Any, earlier: dict[str, list[float]]
-) -> bool:
-    """True only when ``cond`` is certain not to hold on heartbeat ``msg`` of ``rank`` (see
-    :meth:`Engine.quiet`), given the engine's ``series`` and the values of the rank's messages
-    that come before ``msg`` and are not yet in them (``earlier``, per signal). False means it
-    may hold (conditions this does not bound: changes, z-score-only windows, layer signals).
-
-    A trailing window at evaluation time holds finite values of the series as it is now or of
-    ``earlier``, so its median lies between their minimum and maximum (the argument of
-    :func:`_beyond_median_impossible`)."""
-    kind = type(cond)
-    if kind is AllOf:
-        return any(cannot_hold(c, msg, series, rank, earlier) for c in cond.all)
-    if kind is AnyOf:
-        return all(
-            "heartbeat" not in c.cadence() or cannot_hold(c, msg, series, rank, earlier)
-            for c in cond.any
-        )
-    if kind not in (NonFinite, Threshold, Trailing) or cond.signal in LAYER_SIGNALS:
-        return False
-    v = number(msg.get(cond.signal))
-    if v is None:
-        return True  # no value: evaluate() answers None
-    if kind is NonFinite:
-        return math.isfinite(v)
-    if not math.isfinite(v):
-        return True  # the other tests ignore non-finite values
-    if kind is Threshold:
-        return not (
-            (cond.below is not None and v < cond.below)
-            or (cond.above is not None and v > cond.above)
-        )
-    above, below = cond.above_median, cond.below_median
-    if above is None and below is None:
-        return False  # a z-score alone: no bound from the extremes
-    s = series.get((rank, None, cond.signal))
-    values = [x for x in earlier.get(cond.signal, ()) if math.isfinite(x)]
-    for exact in (False, True):  # the kept bounds first; exact ones if those do not settle it
-        bounds = s.extremes(exact) if s is not None else None
-        if bounds is None and not values:
-            return True  # no window at all
-        if above is not None:
-            lo = min(values + [bounds[0]] if bounds else values)
-            if lo > 0 and v <= above * lo:
-                return True
-        elif v >= below * max(values + [bounds[1]] if bounds else values):  # type: ignore[operator]
-            return True
-        if s is None or s.exact:
-            return False
-    return False
-
-
 Screen = Callable[[dict, dict, Any, dict[str, list[float]]], bool]
-"""``(msg, series, rank, earlier) -> bool``: :func:`cannot_hold` for one condition."""
+"""``(msg, series, rank, earlier) -> bool``: True only when the condition is certain not to
+hold on heartbeat ``msg`` of ``rank``, given the engine's ``series`` and the values of the
+rank's messages that come before ``msg`` and are not in them yet (``earlier``, per signal).
+False means it may hold."""
 
 
 def screen(cond: Any) -> Screen:
-    """:func:`cannot_hold` for ``cond``, specialised for the leaves every heartbeat meets (a
-    non-finite test, a threshold, a trailing median on a heartbeat signal): answered without
-    dispatching."""
+    """The :data:`Screen` of ``cond`` (see :meth:`Engine.quiet`), made once per rule: thresholds
+    and non-finite tests are answered from the value, trailing-median tests from bounds of the
+    window's minimum or maximum; what it does not bound (changes, z-score-only windows, layer
+    signals, crashes, hangs) may hold.
+
+    A trailing window at evaluation time holds finite values of the series as it is now or of
+    ``earlier``, so its median lies between their minimum and maximum (the argument of
+    :func:`_beyond_median_impossible`); a series keeps bounds of them (:meth:`Series.extremes`),
+    made exact when the kept ones do not settle it."""
     kind = type(cond)
-    if kind in (NonFinite, Threshold) and cond.signal not in LAYER_SIGNALS:
-        signal = cond.signal
-        if kind is NonFinite:
+    if kind is AllOf:
+        every = [screen(c) for c in cond.all]
+        return lambda msg, series, rank, earlier: any(
+            part(msg, series, rank, earlier) for part in every
+        )
+    if kind is AnyOf:  # a heartbeat evaluates the alternatives that read it
+        some = [screen(c) for c in cond.any if "heartbeat" in c.cadence()]
+        return lambda msg, series, rank, earlier: all(
+            part(msg, series, rank, earlier) for part in some
+        )
+    if kind not in (NonFinite, Threshold, Trailing) or cond.signal in LAYER_SIGNALS:
+        return lambda msg, series, rank, earlier: False
+    signal = cond.signal
+    if kind is NonFinite:
 
-            def finite(msg: dict, series: dict, rank: Any, earlier: dict) -> bool:
-                v = msg.get(signal)  # number(v) is None or finite unless v is a float
-                return type(v) is not float or math.isfinite(v)
+        def finite(msg: dict, series: dict, rank: Any, earlier: dict) -> bool:
+            v = msg.get(signal)  # number(v) is None or finite unless v is a float
+            return type(v) is not float or math.isfinite(v)
 
-            return finite
+        return finite
+    if kind is Threshold:
         below, above = cond.below, cond.above
 
         def within(msg: dict, series: dict, rank: Any, earlier: dict) -> bool:
             v = number(msg.get(signal))
             if v is None or not math.isfinite(v):
-                return True
+                return True  # the tests ignore non-finite values
             return not ((below is not None and v < below) or (above is not None and v > above))
 
         return within
-    if (
-        kind is Trailing
-        and cond.signal not in LAYER_SIGNALS
-        and (cond.above_median is not None or cond.below_median is not None)
-    ):
-        signal, above, below = cond.signal, cond.above_median, cond.below_median
+    above, below = cond.above_median, cond.below_median
 
-        def beyond(msg: dict, series: dict, rank: Any, earlier: dict) -> bool:
-            if earlier:  # the poll's earlier messages: the general form
-                return cannot_hold(cond, msg, series, rank, earlier)
-            v = number(msg.get(signal))
-            if v is None or not math.isfinite(v):
-                return True
-            s = series.get((rank, None, signal))
-            if s is None:
+    def beyond(msg: dict, series: dict, rank: Any, earlier: dict) -> bool:
+        v = number(msg.get(signal))
+        if v is None or not math.isfinite(v):
+            return True
+        if above is None and below is None:
+            return False  # a z-score alone: no bound from the extremes
+        s = series.get((rank, None, signal))
+        prior = [x for x in earlier.get(signal, ()) if math.isfinite(x)] if earlier else []
+        for exact in (False, True):  # the kept bounds first; exact ones if they do not settle it
+            bounds = s.extremes(exact) if s is not None else None
+            if bounds is None and not prior:
                 return True  # no window at all
-            for exact in (False, True):  # as in cannot_hold
-                bounds = s.extremes(exact)
-                if bounds is None:
+            if above is not None:
+                lo = min(prior + [bounds[0]] if bounds else prior)
+                if lo > 0 and v <= above * lo:
                     return True
-                if above is not None:
-                    if bounds[0] > 0 and v <= above * bounds[0]:
-                        return True
-                elif v >= below * bounds[1]:  # type: ignore[operator]
-                    return True
-                if s.exact:
-                    return False
-            return False
+            elif v >= below * max(prior + [bounds[1]] if bounds else prior):  # type: ignore[operator]
+                return True
+            if s is None or s.exact:
+                return False
+        return False
 
-        return beyond
-    return lambda msg, series, rank, earlier: cannot_hold(cond, msg, series, rank, earlier)
+    return beyond
 
 
 def _change(cond: Change, ctx: Context, v: float) -> Hit | None:
