@@ -378,8 +378,10 @@ def screen(cond: Any) -> Screen:
                 lo = min(prior + [bounds[0]] if bounds else prior)
                 if lo > 0 and v <= above * lo:
                     return True
-            elif v >= below * max(prior + [bounds[1]] if bounds else prior):  # type: ignore[operator]
-                return True
+            else:
+                assert below is not None
+                if v >= below * max(prior + [bounds[1]] if bounds else prior):
+                    return True
             if s is None or s.exact:
                 return False
         return False
