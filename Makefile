@@ -9,19 +9,19 @@ TORCH_VERSION ?= 2.13.0
 # (tests/conftest.py: TRAINING_MODULES, FAULT_MODULES); 0 runs the suite in one process
 TEST_WORKERS ?= 2
 # the rooms that must stay pure (no Ray, no I/O, no torch): type-checked on every test run
-TYPED := -p spikeguard.supervisor.recovery -p spikeguard.workers.contract -p spikeguard.policies \
-	-m spikeguard.supervisor.collector -m spikeguard.supervisor.events \
+TYPED := -p spikeguard.supervisor.decide.recovery -p spikeguard.workers.contract -p spikeguard.policies \
+	-m spikeguard.supervisor.intake.collector -m spikeguard.supervisor.decide.events \
 	-m spikeguard.supervisor.journal -m spikeguard.supervisor.controller \
-	-m spikeguard.supervisor.validate -m spikeguard.workers.checkpoint.files \
-	-m spikeguard.supervisor.secrets -m spikeguard.supervisor.launch.environment \
-	-m spikeguard.workers.checkpoint.select -m spikeguard.workers.checkpoint.format \
+	-m spikeguard.supervisor.intake.validate -m spikeguard.workers.checkpoint.files \
+	-m spikeguard.supervisor.redaction -m spikeguard.supervisor.launch.environment \
+	-m spikeguard.workers.checkpoint.choose -m spikeguard.workers.checkpoint.format \
 	-m spikeguard.workers.checkpoint.pickle_scan -m spikeguard.workers.checkpoint.integrity \
 	-m spikeguard.supervisor.launch.topology \
-	-m spikeguard.supervisor.forensics -m spikeguard.supervisor.status \
+	-m spikeguard.supervisor.act.forensics -m spikeguard.supervisor.observe.status \
 	-m spikeguard.supervisor.observe.metrics -m spikeguard.supervisor.observe.svg \
 	-m spikeguard.workers.batches \
 	-m spikeguard.workers.checkpoint.commit -m spikeguard.workers.checkpoint.retention \
-	-m spikeguard.workers.checkpoint.remove -m spikeguard.supervisor.checkpoint_table
+	-m spikeguard.workers.checkpoint.remove -m spikeguard.supervisor.observe.checkpoint_table
 
 .PHONY: demo test setup lint typecheck clean
 

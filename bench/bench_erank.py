@@ -10,7 +10,7 @@ against it on two spectra:
 * ``floor``: eight strong directions over a flat noise floor at 1 %, a collapsing layer and the
   hard case for randomized methods.
 
-Paths: ``auto`` is :func:`spikeguard.workers.signals.effective_rank` as the probes call it (the
+Paths: ``auto`` is :func:`spikeguard.workers.measure.effective_rank` as the probes call it (the
 path its shape picks, named in the ``picks`` column); ``gram`` and ``lowrank`` force one path
 (``gram`` only where the smaller side is at most 4096: a float64 Gram beyond that takes
 minutes). Every time includes the erank from the singular values and the finiteness check.
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from common import table
-from spikeguard.workers import signals as S
+from spikeguard.workers import measure as S
 
 K = 32
 DEFAULT_SHAPES = ("2048x64", "8192x1024", "16384x4096")

@@ -45,7 +45,7 @@ from typing import Any
 
 from common import percentile, table
 from spikeguard.supervisor.controller import Controller
-from spikeguard.supervisor.launch.types import KillReport, LaunchedRank, RankPoll
+from spikeguard.supervisor.launch.interface import KillReport, LaunchedRank, RankPoll
 from spikeguard.workers.contract.signals import summarize
 from spikeguard.workers.encode import encode_line
 

@@ -27,7 +27,7 @@ from PIL import Image, ImageDraw, ImageFont
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from fakeslack import TOKEN, FakeSlack, incident_events  # noqa: E402
-from spikeguard.supervisor.notify.slack import SlackNotifier, SlackSettings  # noqa: E402
+from spikeguard.supervisor.sinks.slack import SlackNotifier, SlackSettings  # noqa: E402
 
 W, PAD, AVATAR, TEXT_X = 880, 24, 40, 24 + 40 + 12
 MAX_W = W - TEXT_X - PAD

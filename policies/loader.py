@@ -17,7 +17,7 @@ from typing import Any, ClassVar, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
-from spikeguard.workers.contract.secrets import Finding, secret_key, secret_value
+from spikeguard.workers.contract.secret_scan import Finding, secret_key, secret_value
 
 from .limits import MAX_DEPTH, MAX_FILE_BYTES, int_problem, read_capped, too_large_text
 from .schema import Policy

@@ -21,7 +21,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from spikeguard.workers.contract.secrets import find_secret
+from spikeguard.workers.contract.secret_scan import find_secret
 from spikeguard.workers.contract.signals import LAYER_SIGNALS
 
 from .base import _Model

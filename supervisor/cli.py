@@ -18,8 +18,8 @@ from spikeguard.policies import commands as policy_commands
 from spikeguard.workers.contract.exitcodes import ExitCode
 
 from . import rundir
-from .events import Kind
-from .notify.slack import command as slack_command
+from .decide.events import Kind
+from .sinks.slack import command as slack_command
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -91,8 +91,8 @@ def _run_status(run: Path) -> dict[str, Any]:
     """The run as the journal says (true also when its supervisor is dead); the ranks and the
     throughput as the live supervisor last wrote them in ``status.json``."""
     from .journal import read_events, redact_fields
-    from .secrets import held_secrets
-    from .status import finished, journal_view
+    from .observe.status import finished, journal_view
+    from .redaction import held_secrets
 
     events = read_events(run)
     status = journal_view(events)
@@ -109,7 +109,7 @@ def _run_status(run: Path) -> dict[str, Any]:
 
 
 def _status_text(status: dict[str, Any]) -> str:
-    from .notify.console import render_status
+    from .sinks.console import render_status
 
     last = status["last_event"]
     lines = [
@@ -140,8 +140,8 @@ def _report(args: argparse.Namespace) -> int:
 
 def _events(args: argparse.Namespace) -> int:
     from .journal import read_events, redact_fields
-    from .notify.describe import describe
-    from .secrets import held_secrets
+    from .redaction import held_secrets
+    from .sinks.describe import describe
 
     valid = [k.value for k in Kind]
     unknown = [k for k in args.kind or () if k not in valid]
@@ -183,10 +183,10 @@ def _event_line(ev: dict[str, Any], described: str) -> str:
 
 def _checkpoints(args: argparse.Namespace) -> int:
     """Every checkpoint of a run: on disk (verified unless --no-verify) and deleted (journal)."""
-    from spikeguard.workers.checkpoint import select
+    from spikeguard.workers.checkpoint import choose
 
-    from .checkpoint_table import render, rows
     from .journal import read_events
+    from .observe.checkpoint_table import render, rows
 
     run = Path(args.run_dir)
     ckpt_dir = run / "checkpoints"
@@ -196,15 +196,15 @@ def _checkpoints(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return ExitCode.BAD_INPUT
-    listed = select.list_checkpoints(ckpt_dir)
+    listed = choose.list_checkpoints(ckpt_dir)
     verified: dict[str, str | None] | None = None
     if not args.no_verify:
         verified = {}
         for info in listed:
             try:
-                select.verify(info)
+                choose.verify(info)
                 verified[info.path] = None
-            except select.CheckpointError as e:
+            except choose.CheckpointError as e:
                 verified[info.path] = str(e)
     events = read_events(run) if (run / "journal.jsonl").exists() else []
     table = rows(listed, listed.problems, listed.incomplete, verified, events)
@@ -219,7 +219,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
 def _stop(args: argparse.Namespace) -> int:
     """Write STOP only for a live supervisor; a finished run or a dead supervisor is said so."""
     from .journal import read_events
-    from .status import finished
+    from .observe.status import finished
 
     run = Path(args.run_dir)
     if not (run / "journal.jsonl").exists():

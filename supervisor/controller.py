@@ -23,16 +23,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from spikeguard.workers.checkpoint import remove, retention, select
+from spikeguard.workers.checkpoint import choose, remove, retention
 
-from . import forensics, rundir
-from . import recovery as rc
-from .collector import Accepted, Collector, is_finite
-from .events import Kind
+from . import rundir
+from .act import forensics
+from .decide import recovery as rc
+from .decide.events import Kind
+from .intake.collector import Accepted, Collector, is_finite
 from .journal import Journal
 from .launch import reaper
-from .launch.types import Group, LaunchError, RankPoll
-from .status import live_status
+from .launch.interface import Group, LaunchError, RankPoll
+from .observe.status import live_status
 
 
 class Notifier(Protocol):
@@ -472,15 +473,15 @@ class Controller:
         """The newest checkpoint that qualifies and verifies (read from the sidecars)."""
         failed: list[str] = []
 
-        def verify(info: select.CheckpointInfo) -> None:
+        def verify(info: choose.CheckpointInfo) -> None:
             try:
-                select.verify(info)
-            except select.CheckpointError:
+                choose.verify(info)
+            except choose.CheckpointError:
                 failed.append(info.path)
                 raise
 
-        chosen, skipped = select.select_checkpoint(
-            select.list_checkpoints(self.ckpt_dir),
+        chosen, skipped = choose.select_checkpoint(
+            choose.list_checkpoints(self.ckpt_dir),
             min_grade=eff.min_grade,
             before_step=eff.before_step,
             min_steps_back=eff.min_steps_back,
@@ -505,7 +506,7 @@ class Controller:
         the resume plan's checkpoint is never deleted), journaling each deletion."""
         if self.retention is None:
             return
-        listed = select.list_checkpoints(self.ckpt_dir)
+        listed = choose.list_checkpoints(self.ckpt_dir)
         plan = self.state.plan
         protected = {plan.checkpoint} if plan is not None and plan.checkpoint else set()
         verdicts = retention.decide(
@@ -522,7 +523,7 @@ class Controller:
                 continue
             try:
                 remove.remove_checkpoint(verdict.path)
-            except (OSError, select.CheckpointError) as e:
+            except (OSError, choose.CheckpointError) as e:
                 print(f"spikeguard: could not delete checkpoint {verdict.path}: {e}", flush=True)
                 continue
             self._event(

@@ -8,9 +8,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .events import STORY_KINDS
+from .decide.events import STORY_KINDS
 from .journal import read_events
-from .notify.describe import describe
+from .sinks.describe import describe
 
 
 def run_demo(

@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from spikeguard.policies.loader import load_model_file
-from spikeguard.workers.contract.secrets import find_secret
+from spikeguard.workers.contract.secret_scan import find_secret
 
-from .secrets import notify_variable
+from .redaction import notify_variable
 
 
 class _Strict(BaseModel):

@@ -15,9 +15,10 @@ records the observations that caused it (``obs``) and a fingerprint of the state
 
 No secret is ever written: :meth:`Journal.append` is the one place every event passes, and it
 redacts every string in it (nested ones too) with the one scanner
-(:func:`~spikeguard.workers.contract.secrets.redact`): anything shaped like a credential, and the
-values of the secrets the supervisor holds (:func:`~.secrets.held_secrets`). A rank's log tail or
-an error text that quotes the Slack token or the webhook URL reads ``[redacted]``.
+(:func:`~spikeguard.workers.contract.secret_scan.redact`): anything shaped like a credential,
+and the values of the secrets the supervisor holds (:func:`~.redaction.held_secrets`).
+A rank's log tail or an error text that quotes the Slack token or the webhook URL reads
+``[redacted]``.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from spikeguard.workers.contract.secrets import redact
+from spikeguard.workers.contract.secret_scan import redact
 
 from . import rundir
-from .events import Kind
-from .secrets import held_secrets
+from .decide.events import Kind
+from .redaction import held_secrets
 
 JOURNAL_NAME = "journal.jsonl"
 VERBATIM = frozenset({"kind", "obs", "state_digest"})
@@ -56,7 +57,7 @@ class Journal:
     ) -> None:
         """Open (or continue) ``RUN_DIR/journal.jsonl``. ``secrets``: the values to redact
         besides anything shaped like a credential (default: those this process's environment
-        holds, :func:`~.secrets.held_secrets`)."""
+        holds, :func:`~.redaction.held_secrets`)."""
         self.path = Path(run_dir) / JOURNAL_NAME
         self.run = run
         self.secrets = tuple(held_secrets(os.environ) if secrets is None else secrets)
@@ -116,7 +117,7 @@ class Journal:
 
 def redact_fields(value: Any, secrets: Iterable[str] = ()) -> Any:
     """``value`` (an event, or any plain data) with every string in it redacted by
-    :func:`~spikeguard.workers.contract.secrets.redact`, ``secrets`` being the known values;
+    :func:`~spikeguard.workers.contract.secret_scan.redact`, ``secrets`` being the known values;
     dicts and lists are walked (keys kept), other values returned as they are."""
     if isinstance(value, str):
         return redact(value, secrets)

@@ -13,17 +13,17 @@ from spikeguard.workers import contract
 from spikeguard.workers.checkpoint.retention import RetentionSettings
 from spikeguard.workers.contract.exitcodes import ExitCode
 
-from . import recovery as rc
 from . import rundir
 from .controller import Controller
-from .events import Kind
+from .decide import recovery as rc
+from .decide.events import Kind
 from .job import JobSpec
 from .journal import read_events
 from .launch.group import GroupSpec, WorkerGroup, python_cmd
 from .launch.ray_init import init_ray
-from .notify.console import ConsoleNotifier, LiveView
-from .notify.rank_output import RankOutput
-from .status import finished
+from .observe.status import finished
+from .sinks.console import ConsoleNotifier, LiveView
+from .sinks.rank_output import RankOutput
 
 
 def routed(notify: Any, destination: str) -> tuple[str, ...]:
@@ -34,7 +34,7 @@ def routed(notify: Any, destination: str) -> tuple[str, ...]:
 def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> list[Any]:
     """The console, and Slack when a channel or a webhook is configured (the job file's
     notify.slack first, then the policy's, then the environment; secrets only from the latter)."""
-    from .notify.slack import SlackNotifier, SlackSettings
+    from .sinks.slack import SlackNotifier, SlackSettings
 
     notify = policy.notify
     notifiers: list[Any] = [ConsoleNotifier(severities=routed(notify, "console"))]

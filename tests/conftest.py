@@ -351,7 +351,7 @@ def assert_journal_replays(path: Path) -> int:
     """Prove a journal rebuilds the live state: replaying the observations it records up to each
     transition (what a restarted supervisor does) gives the state digest the live supervisor
     journaled right there. Returns how many transitions were checked."""
-    from spikeguard.supervisor import recovery as rc
+    from spikeguard.supervisor.decide import recovery as rc
 
     evs = read_jsonl(path)
     checked = 0
@@ -406,8 +406,8 @@ class SpyEngine:
 def scripted_controller(run_dir: Path, group: Any, engine: Any, **kw: Any) -> Any:
     """A supervisor ``Controller`` over a scripted group (no Ray), its first generation
     launched; ``kw`` overrides the defaults (2 ranks, 60 s timeouts, no reaping)."""
-    from spikeguard.supervisor import recovery as rc
     from spikeguard.supervisor.controller import Controller
+    from spikeguard.supervisor.decide import recovery as rc
 
     args: dict[str, Any] = dict(
         run_dir=str(run_dir),

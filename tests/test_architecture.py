@@ -40,9 +40,9 @@ def run_blocked(blocked: set[str], code: str) -> subprocess.CompletedProcess[str
 CONTROL_PLANE = [
     "spikeguard.supervisor.cli",
     "spikeguard.supervisor.controller",
-    "spikeguard.supervisor.collector",
+    "spikeguard.supervisor.intake.collector",
     "spikeguard.supervisor.journal",
-    "spikeguard.supervisor.recovery",
+    "spikeguard.supervisor.decide.recovery",
     "spikeguard.supervisor.runner",
     "spikeguard.supervisor.launch.group",
     "spikeguard.supervisor.launch.agent",
@@ -54,11 +54,11 @@ CONTROL_PLANE = [
     "spikeguard.workers",
     "spikeguard.workers.contract",
     "spikeguard.workers.checkpoint",
-    "spikeguard.workers.checkpoint.select",
+    "spikeguard.workers.checkpoint.choose",
     "spikeguard.workers.checkpoint.commit",
     "spikeguard.workers.checkpoint.retention",
     "spikeguard.workers.checkpoint.remove",
-    "spikeguard.supervisor.checkpoint_table",
+    "spikeguard.supervisor.observe.checkpoint_table",
 ]
 
 
@@ -83,25 +83,25 @@ def test_the_cli_runs_without_torch():
 
 
 PURE = [
-    "spikeguard.supervisor.recovery",
-    "spikeguard.supervisor.collector",
-    "spikeguard.supervisor.validate",
-    "spikeguard.supervisor.events",
+    "spikeguard.supervisor.decide.recovery",
+    "spikeguard.supervisor.intake.collector",
+    "spikeguard.supervisor.intake.validate",
+    "spikeguard.supervisor.decide.events",
     "spikeguard.supervisor.journal",
     "spikeguard.supervisor.controller",
-    "spikeguard.supervisor.secrets",
+    "spikeguard.supervisor.redaction",
     "spikeguard.supervisor.launch.environment",
-    "spikeguard.supervisor.forensics",
-    "spikeguard.supervisor.status",
+    "spikeguard.supervisor.act.forensics",
+    "spikeguard.supervisor.observe.status",
     "spikeguard.supervisor.observe.metrics",
     "spikeguard.supervisor.observe.svg",
     "spikeguard.policies",
     "spikeguard.workers.contract",
-    "spikeguard.workers.checkpoint.select",
+    "spikeguard.workers.checkpoint.choose",
     "spikeguard.workers.checkpoint.commit",
     "spikeguard.workers.checkpoint.retention",
     "spikeguard.workers.checkpoint.remove",
-    "spikeguard.supervisor.checkpoint_table",
+    "spikeguard.supervisor.observe.checkpoint_table",
 ]
 
 
@@ -128,5 +128,5 @@ def test_the_workers_never_import_ray_or_the_supervisor():
 def test_a_blocked_import_really_fails():
     # the harness itself: importing torch where it is blocked must fail, or the tests above
     # would pass vacuously
-    res = run_blocked({"torch"}, "import spikeguard.workers.signals")
+    res = run_blocked({"torch"}, "import spikeguard.workers.measure")
     assert res.returncode != 0 and "blocked in this test" in res.stderr

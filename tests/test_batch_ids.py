@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import spikeguard.workers as sgw
 import torch
-from spikeguard.supervisor import forensics, validate
-from spikeguard.supervisor.notify.describe import describe
+from spikeguard.supervisor.act import forensics
+from spikeguard.supervisor.intake import validate
+from spikeguard.supervisor.sinks.describe import describe
 from spikeguard.workers import contract
 from spikeguard.workers.batches import answer_entries, batch_key, load_skip_set
 

@@ -1,4 +1,4 @@
-"""Tests for spikeguard.workers.checkpoint.select: the lineage filter, and the supervisor's path
+"""Tests for spikeguard.workers.checkpoint.choose: the lineage filter, and the supervisor's path
 (list, verify, select) in a process where torch cannot be imported."""
 
 from __future__ import annotations
@@ -153,11 +153,11 @@ _NO_TORCH = textwrap.dedent("""
     sys.meta_path.insert(0, NoTorch())
 
     import spikeguard.workers.checkpoint
-    import spikeguard.workers.checkpoint.select
+    import spikeguard.workers.checkpoint.choose
     from spikeguard.workers import checkpoint as ckpt
-    from spikeguard.workers.checkpoint import select
+    from spikeguard.workers.checkpoint import choose
 
-    listed = select.list_checkpoints(sys.argv[1])
+    listed = choose.list_checkpoints(sys.argv[1])
     verified = {}
     for info in listed:
         try:
@@ -167,7 +167,7 @@ _NO_TORCH = textwrap.dedent("""
             verified[info.step] = type(e).__name__ + ": " + str(e)
     chosen, skipped = ckpt.select_checkpoint(listed, min_grade=5, before_step=None)
     lineage = [(1, None), (2, 15)]
-    on_lineage, _ = select.select_checkpoint(listed, min_grade=5, before_step=None, lineage=lineage)
+    on_lineage, _ = choose.select_checkpoint(listed, min_grade=5, before_step=None, lineage=lineage)
     try:
         ckpt.write_checkpoint
         write = "imported"

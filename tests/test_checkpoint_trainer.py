@@ -9,9 +9,9 @@ import os
 from pathlib import Path
 
 import pytest
-from spikeguard.supervisor.checkpoint_table import _parse_name
+from spikeguard.supervisor.observe.checkpoint_table import _parse_name
 from spikeguard.workers import checkpoint as ckpt
-from spikeguard.workers.checkpoint import commit, remove, select, trainer_commit
+from spikeguard.workers.checkpoint import choose, commit, remove, trainer_commit
 from spikeguard.workers.session import StaleGenerationError
 
 FILES = {
@@ -69,7 +69,7 @@ def test_a_corrupt_file_fails_verification_and_selection_falls_back(tmp_path: Pa
     (newer / "optimizer.pt").write_bytes(bytes(data))
     listed = ckpt.list_checkpoints(tmp_path)
     assert [i.step for i in listed] == [10, 20]  # the listing only checks sizes
-    chosen, skipped = select.select_checkpoint(listed, min_grade=4, before_step=100)
+    chosen, skipped = choose.select_checkpoint(listed, min_grade=4, before_step=100)
     assert chosen is not None and chosen.path == str(older)
     assert "sha256 mismatch" in skipped[0][1]
     with pytest.raises(ckpt.CorruptCheckpointError):

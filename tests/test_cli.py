@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from spikeguard.supervisor import rundir
 from spikeguard.supervisor.cli import main
-from spikeguard.supervisor.events import Kind
+from spikeguard.supervisor.decide.events import Kind
 
 DEMO = Path(__file__).parent / "data" / "demo_run"
 

@@ -1,6 +1,6 @@
 """``spikeguard checkpoints RUN_DIR``: the table of a run's checkpoints (supervisor/cli.py and the
-pure formatter supervisor/checkpoint_table.py), on real checkpoint files, without torch in the
-command's process."""
+pure formatter supervisor/observe/checkpoint_table.py), on real checkpoint files, without torch
+in the command's process."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spikeguard.supervisor.checkpoint_table import Row, render, rows
+from spikeguard.supervisor.observe.checkpoint_table import Row, render, rows
 from spikeguard.workers import checkpoint as ckpt
 from spikeguard.workers.checkpoint.format import CheckpointInfo, Incomplete
 

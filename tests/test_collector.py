@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from spikeguard.supervisor.collector import Collector
+from spikeguard.supervisor.intake.collector import Collector
 
 
 def line(**kw) -> bytes:
@@ -210,7 +210,7 @@ def test_values_at_the_limits_and_nonfinite_data_are_accepted(col):
 
 
 def test_a_layer_name_that_is_not_a_string_is_refused():
-    from spikeguard.supervisor.validate import problem
+    from spikeguard.supervisor.intake.validate import problem
 
     msg = json.loads(line(type="report"))
     msg["layers"] = {1: {"grade": 3}}
@@ -284,7 +284,7 @@ def test_the_fast_json_reader_reads_every_line_as_json_does(monkeypatch):
     messages and refusals alike, it gives exactly what it gives with ``json.loads`` alone."""
     import random
 
-    from spikeguard.supervisor import validate
+    from spikeguard.supervisor.intake import validate
 
     rng = random.Random(17)
     lines = [line(), line(loss=float("nan")), line(step=2**64), line(t=-(2**63) - 1)]

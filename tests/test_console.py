@@ -8,11 +8,11 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
-from spikeguard.supervisor import recovery as rc
-from spikeguard.supervisor.collector import Collector
-from spikeguard.supervisor.events import STORY_KINDS
-from spikeguard.supervisor.notify.console import ConsoleNotifier, LiveView, render_status
-from spikeguard.supervisor.status import live_status
+from spikeguard.supervisor.decide import recovery as rc
+from spikeguard.supervisor.decide.events import STORY_KINDS
+from spikeguard.supervisor.intake.collector import Collector
+from spikeguard.supervisor.observe.status import live_status
+from spikeguard.supervisor.sinks.console import ConsoleNotifier, LiveView, render_status
 
 DEMO = Path(__file__).parent / "data" / "demo_run" / "journal.jsonl"
 

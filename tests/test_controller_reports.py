@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import SpyEngine, scripted_controller
-from spikeguard.supervisor.launch.types import KillReport, LaunchedRank, RankPoll
+from spikeguard.supervisor.launch.interface import KillReport, LaunchedRank, RankPoll
 
 POLICY = """
 version: 1

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from fakeslack import incident_events
-from spikeguard.supervisor.events import Kind
-from spikeguard.supervisor.notify.describe import (
+from spikeguard.supervisor.decide.events import Kind
+from spikeguard.supervisor.sinks.describe import (
     TEMPLATES,
     describe,
     num,

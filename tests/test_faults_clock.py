@@ -8,8 +8,8 @@ from pathlib import Path
 
 from conftest import events, kinds, scripted_controller
 from spikeguard.policies import Engine, load_policy
-from spikeguard.supervisor.collector import Collector
-from spikeguard.supervisor.launch.types import KillReport, LaunchedRank, RankPoll
+from spikeguard.supervisor.intake.collector import Collector
+from spikeguard.supervisor.launch.interface import KillReport, LaunchedRank, RankPoll
 
 POLICY = Path(__file__).parent / "data" / "toy_policy.yaml"
 

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from spikeguard.supervisor import recovery as rc
+from spikeguard.supervisor.decide import recovery as rc
 
 S = rc.Settings(lr_factors=(0.5, 0.3), probation_steps=100, max_attempts=2, min_grade=4)
 CRASH = rc.Settings(lr_factors=(1.0,), reset_optimizer=False, probation_steps=100, max_attempts=2)

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from conftest import SpyEngine, scripted_controller
-from spikeguard.supervisor import recovery as rc
-from spikeguard.supervisor.launch.types import KillReport, LaunchedRank, RankPoll
+from spikeguard.supervisor.decide import recovery as rc
+from spikeguard.supervisor.launch.interface import KillReport, LaunchedRank, RankPoll
 
 BIG = 10**400
 # every rule reads a field a hostile line can poison: step, loss, the summary, one layer

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import SCRIPTS, When, alive, events, reports
 from fakeslack import TOKEN, FakeSlack
-from spikeguard.supervisor import recovery as rc
+from spikeguard.supervisor.decide import recovery as rc
 from spikeguard.supervisor.journal import Journal
 from spikeguard.supervisor.launch import reaper
 from spikeguard.supervisor.rundir import highest_generation

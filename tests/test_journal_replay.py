@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_journal_replays, read_jsonl
-from spikeguard.supervisor import recovery as rc
+from spikeguard.supervisor.decide import recovery as rc
 
 DATA = Path(__file__).parent / "data"
 JOURNALS = sorted(DATA.rglob("journal.jsonl"))

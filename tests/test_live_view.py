@@ -9,12 +9,12 @@ import threading
 import time
 
 import pytest
-from spikeguard.supervisor import recovery as rc
 from spikeguard.supervisor.cli import main
-from spikeguard.supervisor.collector import Collector
+from spikeguard.supervisor.decide import recovery as rc
+from spikeguard.supervisor.intake.collector import Collector
 from spikeguard.supervisor.journal import Journal
-from spikeguard.supervisor.notify.console import WORST_K, render_status
-from spikeguard.supervisor.status import live_status
+from spikeguard.supervisor.observe.status import live_status
+from spikeguard.supervisor.sinks.console import WORST_K, render_status
 
 WORLD = 64
 TOKENS = 512

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from spikeguard.supervisor import recovery as rc
-from spikeguard.supervisor.collector import Collector
+from spikeguard.supervisor.decide import recovery as rc
+from spikeguard.supervisor.intake.collector import Collector
 from spikeguard.supervisor.journal import read_events
 from spikeguard.supervisor.observe.exporter import MetricsExporter
 from spikeguard.supervisor.observe.metrics import OTHER_LAYERS

@@ -18,7 +18,7 @@ from spikeguard.policies import Engine, load_policy_text, replay
 from spikeguard.policies.explain import explain
 from spikeguard.policies.schema import Policy
 from spikeguard.policies.testing import heartbeat, hello, report
-from spikeguard.supervisor import recovery as rc
+from spikeguard.supervisor.decide import recovery as rc
 from spikeguard.supervisor.job import JobSpec
 from spikeguard.supervisor.runner import make_notifiers
 

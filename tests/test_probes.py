@@ -9,8 +9,8 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from spikeguard.workers import measure as S
 from spikeguard.workers import probes as P
-from spikeguard.workers import signals as S
 from torch import nn
 
 torch.set_num_threads(1)

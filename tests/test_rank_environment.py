@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from spikeguard.supervisor.launch import agent as agent_mod
 from spikeguard.supervisor.launch.environment import rank_environment
-from spikeguard.supervisor.launch.types import NodeInfo
-from spikeguard.supervisor.notify.slack.settings import SlackSettings
-from spikeguard.supervisor.secrets import held_secrets, withheld
+from spikeguard.supervisor.launch.interface import NodeInfo
+from spikeguard.supervisor.redaction import held_secrets, withheld
+from spikeguard.supervisor.sinks.slack.settings import SlackSettings
 
 SECRETS = {
     # secret by name (the one scanner's secret_key)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from spikeguard.supervisor.launch.types import RankPoll
-from spikeguard.supervisor.notify.rank_output import MAX_LINE_CHARS, RankOutput
+from spikeguard.supervisor.launch.interface import RankPoll
+from spikeguard.supervisor.sinks.rank_output import MAX_LINE_CHARS, RankOutput
 
 
 class Clock:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from spikeguard.supervisor import recovery as rc
+from spikeguard.supervisor.decide import recovery as rc
 
 S = rc.Settings(
     lr_factors=(0.5, 0.3), probation_steps=1000, max_attempts=2, min_grade=4, min_steps_back=50

@@ -4,7 +4,7 @@ no Ray. Every journaled transition is also checked to fold back to the live stat
 from __future__ import annotations
 
 import pytest
-from spikeguard.supervisor import recovery as rc
+from spikeguard.supervisor.decide import recovery as rc
 from test_faults_fold import Run, ckpt, launched, recover
 
 CRASH = rc.Settings(

@@ -1,9 +1,9 @@
-"""The one secret scanner (``workers/contract/secrets.py``): names, values, redaction."""
+"""The one secret scanner (``workers/contract/secret_scan.py``): names, values, redaction."""
 
 from __future__ import annotations
 
 import pytest
-from spikeguard.workers.contract.secrets import redact, secret_key, secret_value
+from spikeguard.workers.contract.secret_scan import redact, secret_key, secret_value
 
 
 @pytest.mark.parametrize(

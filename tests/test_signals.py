@@ -1,4 +1,4 @@
-"""Tests of spikeguard.workers.signals: effective rank, grades, attention entropy, log Z."""
+"""Tests of spikeguard.workers.measure: effective rank, grades, attention entropy, log Z."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from spikeguard.workers import signals as S
+from spikeguard.workers import measure as S
 
 torch.set_num_threads(1)
 

@@ -11,8 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakeslack import TOKEN, FakeSlack
-from spikeguard.supervisor.notify.slack import command as slack_command
-from spikeguard.supervisor.notify.slack.settings import SlackSettings
+from spikeguard.supervisor.sinks.slack import command as slack_command
+from spikeguard.supervisor.sinks.slack.settings import SlackSettings
 
 
 def run_cli(

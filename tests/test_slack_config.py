@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakeslack import TOKEN
 from spikeguard.policies import PolicyError
 from spikeguard.supervisor.job import load_job
-from spikeguard.supervisor.notify.slack import SlackNotifier, SlackSettings
-from spikeguard.workers.contract.secrets import find_secret
+from spikeguard.supervisor.sinks.slack import SlackNotifier, SlackSettings
+from spikeguard.workers.contract.secret_scan import find_secret
 
 SECRET = "xoxb-1234567890-0987654321-AbCdEfGhIjKlMnOp"
 HOOK = "https://hooks.slack.com/services/T000/B000/XXXXXXXXXXXX"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from spikeguard.supervisor.notify.describe import describe
-from spikeguard.supervisor.notify.slack.render import IncidentView, Links, step_message
+from spikeguard.supervisor.sinks.describe import describe
+from spikeguard.supervisor.sinks.slack.render import IncidentView, Links, step_message
 
 
 def rollback(n: int) -> dict:

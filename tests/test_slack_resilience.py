@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakeslack import TOKEN, FakeSlack, incident_events
-from spikeguard.supervisor.notify.slack import SlackNotifier, SlackSettings
+from spikeguard.supervisor.sinks.slack import SlackNotifier, SlackSettings
 
 HANDLE_BUDGET_S = 0.05  # what one notification may cost a recovery step
 

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakeslack import TOKEN, FakeSlack, incident_events
-from spikeguard.supervisor.notify.slack import SlackNotifier, SlackSettings
+from spikeguard.supervisor.sinks.slack import SlackNotifier, SlackSettings
 
 RUN_URL = "https://runs.example.com/gpt-1b"
 
@@ -373,7 +373,7 @@ def test_an_incident_id_reused_after_its_conclusion_opens_a_new_thread(fake):
 
 
 def test_batch_forensics_are_a_reply_in_the_incident_thread_with_count_and_path(fake, tmp_path):
-    from spikeguard.supervisor import forensics
+    from spikeguard.supervisor.act import forensics
 
     answers = forensics.Answers(incident="inc-001", attempt=1, generation=1, asked=[0, 1, 2, 3])
     for rank in (0, 1, 3):  # rank 2 hung: it cannot answer

@@ -11,8 +11,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from spikeguard.supervisor.launch.interface import NodeInfo
 from spikeguard.supervisor.launch.topology import Layout, rank_variables, visible_devices
-from spikeguard.supervisor.launch.types import NodeInfo
 from spikeguard.workers.contract.env import TORCHRUN_VARIABLES
 
 DUMP = textwrap.dedent(

@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import signals
+from . import measure
 
 __all__ = ["DEFAULT_ATTENTION", "DEFAULT_LM_HEAD", "DEFAULT_RESIDUAL", "Probes", "record_qk"]
 
@@ -99,7 +99,7 @@ def record_qk(
 
     A no-op (one list test) when nothing is armed. ``causal``/``scale`` default to
     the Probes' ``causal`` and ``1/sqrt(head_dim)``; ``mask`` is the kernel's ``attn_mask``
-    (boolean or additive, see :func:`.signals.attention_stats`), which replaces ``causal``.
+    (boolean or additive, see :func:`.measure.attention_stats`), which replaces ``causal``.
     """
     if not _ARMED:
         return
@@ -237,7 +237,7 @@ class Probes:
         max_queries: query rows sampled per attention module.
         max_batch: batch elements used for attention (the first ones).
         causal: attention masks of the projection convention (and record_qk's default).
-        thresholds: grade thresholds (see :func:`signals.grade_of`).
+        thresholds: grade thresholds (see :func:`measure.grade_of`).
         seed: seed of the private sampling generator (re-seeded per step from ``seed`` and the
             step).
         strict: raise probe errors instead of recording them in ``errors``.
@@ -255,14 +255,14 @@ class Probes:
         max_queries: int = 64,
         max_batch: int = 8,
         causal: bool = True,
-        thresholds: tuple[float, ...] = signals.DEFAULT_THRESHOLDS,
+        thresholds: tuple[float, ...] = measure.DEFAULT_THRESHOLDS,
         seed: int = 0,
         strict: bool = False,
     ) -> None:
         for pats in (residual, attention, lm_head):
             if isinstance(pats, str):
                 raise TypeError(f"patterns must be an iterable of strings, not the string {pats!r}")
-        signals.grade_of(1.0, thresholds)  # validates the thresholds
+        measure.grade_of(1.0, thresholds)  # validates the thresholds
         self.k, self.max_rows, self.max_queries, self.max_batch = (
             k,
             max_rows,
@@ -431,7 +431,7 @@ class Probes:
                 return
             x = _first_tensor(output)
             if x is not None:
-                self._run(name, "lm_head", lambda: signals.logz_stats(x))
+                self._run(name, "lm_head", lambda: measure.logz_stats(x))
 
         return hook
 
@@ -468,8 +468,8 @@ class Probes:
             if flat.shape[0] > self.max_rows:
                 idx = torch.randperm(flat.shape[0], generator=self._gen)[: self.max_rows]
                 flat = flat.index_select(0, idx.to(flat.device))
-            ratio = signals.effective_rank_ratio(flat, self.k)
-        return {"erank_ratio": ratio, "grade": signals.grade_of(ratio, self.thresholds)}
+            ratio = measure.effective_rank_ratio(flat, self.k)
+        return {"erank_ratio": ratio, "grade": measure.grade_of(ratio, self.thresholds)}
 
     def _attention(
         self,
@@ -482,7 +482,7 @@ class Probes:
     ) -> dict[str, float]:
         if mask is not None and mask.ndim == 4 and mask.shape[0] > 1:
             mask = mask[: self.max_batch]
-        stats = signals.attention_stats(
+        stats = measure.attention_stats(
             q[: self.max_batch],
             k[: self.max_batch],
             causal=self.causal if causal is None else causal,

@@ -10,6 +10,6 @@ Only :mod:`.group`, :mod:`.ray_init` and the reaper's remote sweep import Ray, a
 used, so the controller imports this room on a machine without Ray installed.
 """
 
-from .types import GroupSpec, KillReport, LaunchedRank, LaunchError, RankKill, RankPoll
+from .interface import GroupSpec, KillReport, LaunchedRank, LaunchError, RankKill, RankPoll
 
 __all__ = ["GroupSpec", "KillReport", "LaunchError", "LaunchedRank", "RankKill", "RankPoll"]

@@ -21,7 +21,7 @@ from typing import Any
 
 from spikeguard.workers import contract
 
-from .types import LaunchedRank, NodeInfo, RankKill, RankPoll
+from .interface import LaunchedRank, NodeInfo, RankKill, RankPoll
 
 MAX_BUFFERED_LINES = 20000
 MAX_LINE_BYTES = 1 << 20

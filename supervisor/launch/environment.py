@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from ..secrets import notify_variable, withheld
+from ..redaction import notify_variable, withheld
 
 
 def rank_environment(

@@ -24,8 +24,7 @@ from spikeguard.workers import contract
 
 from .. import rundir
 from .agent import RankAgent
-from .topology import Layout, rank_variables
-from .types import (
+from .interface import (
     GroupSpec,
     KillReport,
     LaunchedRank,
@@ -35,6 +34,7 @@ from .types import (
     RankPoll,
     StandbyChange,
 )
+from .topology import Layout, rank_variables
 
 __all__ = ["GroupSpec", "LaunchError", "WorkerGroup", "python_cmd"]
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from spikeguard.workers.contract import env as names
 
-from .types import NodeInfo
+from .interface import NodeInfo
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -33,8 +33,8 @@ from typing import Any, Literal
 
 from spikeguard.workers.contract.signals import AGGREGATE, LAYER_SIGNALS
 
-from .. import recovery as rc
-from ..collector import Collector
+from ..decide import recovery as rc
+from ..intake.collector import Collector
 
 PREFIX = "spikeguard_"
 OTHER_LAYERS = "(other)"

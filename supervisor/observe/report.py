@@ -13,8 +13,8 @@ order:
 * the journal, one line per event.
 
 Every string from the run (its name, rule names, reasons, layer names, batch ids, paths) is user
-text: it is redacted of secrets (:func:`~spikeguard.workers.contract.secrets.redact`) and escaped
-before it reaches the page.
+text: it is redacted of secrets (:func:`~spikeguard.workers.contract.secret_scan.redact`) and
+escaped before it reaches the page.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from spikeguard.workers.checkpoint.select import on_lineage, select_checkpoint
-from spikeguard.workers.contract.secrets import redact
+from spikeguard.workers.checkpoint.choose import on_lineage, select_checkpoint
+from spikeguard.workers.contract.secret_scan import redact
 from spikeguard.workers.contract.signals import grade_text
 
-from .. import forensics as fx
-from ..notify.describe import describe, ranks_text
-from ..secrets import held_secrets
+from ..act import forensics as fx
+from ..redaction import held_secrets
+from ..sinks.describe import describe, ranks_text
 from .rundata import Generation, RunData, load_run
 from .svg import PALETTE, Axis, Chart, color_scale, esc, finite
 

@@ -3,7 +3,7 @@
 :func:`load_run` reads ``journal.jsonl`` (the story), ``reports.jsonl`` or, as recordings keep
 it, ``reports.jsonl.gz`` (every accepted rank message, streamed and folded per generation and
 step, so a long run never sits in memory whole), the checkpoints' sidecars (torch-free:
-:func:`~spikeguard.workers.checkpoint.select.list_checkpoints`) and the incidents' batch-ids
+:func:`~spikeguard.workers.checkpoint.choose.list_checkpoints`) and the incidents' batch-ids
 files. A part that is missing or cannot be read is left out and said in ``problems``; a torn or
 malformed line costs that line only.
 
@@ -21,11 +21,11 @@ import math
 from pathlib import Path
 from typing import IO, Any
 
-from spikeguard.workers.checkpoint.select import list_checkpoints
+from spikeguard.workers.checkpoint.choose import list_checkpoints
 from spikeguard.workers.contract.signals import AGGREGATE
 
-from .. import forensics
-from .. import recovery as rc
+from ..act import forensics
+from ..decide import recovery as rc
 from ..journal import read_events
 
 WORST = ("erank_ratio", "grade", "attn_entropy_mean", "attn_entropy_min", "attn_entropy_min_norm")

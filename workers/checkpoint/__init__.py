@@ -22,6 +22,7 @@ without it. :func:`write_checkpoint`, :func:`clean_temp_files`, :func:`load_chec
 from __future__ import annotations
 
 from ..lazy import lazy_attributes
+from .choose import list_checkpoints, on_lineage, select_checkpoint, verify
 from .commit import is_sharded_path, read_marker, sharded_name
 from .format import (
     CHECKPOINT_FORMAT,
@@ -36,7 +37,6 @@ from .format import (
     checkpoint_name,
     read_sidecar,
 )
-from .select import list_checkpoints, on_lineage, select_checkpoint, verify
 
 _LAZY = {
     "clean_temp_files": "write",

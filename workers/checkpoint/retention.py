@@ -39,8 +39,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 
+from .choose import on_lineage
 from .format import CheckpointInfo, Incomplete
-from .select import on_lineage
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

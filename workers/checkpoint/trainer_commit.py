@@ -24,11 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 from . import commit
+from .choose import verify_sharded
 from .dcp_write import _marker_meta, _publish_marker
 from .files import fsync_directory
 from .format import CheckpointError, CheckpointInfo
 from .integrity import hash_file
-from .select import verify_sharded
 
 
 def retract(directory: str) -> bool:

@@ -26,7 +26,7 @@ from .env import (
 from .exitcodes import ExitCode
 from .messages import FORMAT_VERSION, MESSAGE_TYPES, REQUEST_TYPES, SUPERVISOR_MESSAGE_TYPES
 from .plan import ResumePlan
-from .secrets import find_secret, redact, secret_key, secret_value
+from .secret_scan import find_secret, redact, secret_key, secret_value
 from .signals import (
     AGGREGATE,
     GRADE_THRESHOLDS,

@@ -1,6 +1,6 @@
 """Signal names, how a rank aggregates them over layers, and the stability grades S0..S7.
 
-The math that produces the per-layer values lives in ``spikeguard.workers.signals`` (torch); this
+The math that produces the per-layer values lives in ``spikeguard.workers.measure`` (torch); this
 module is the vocabulary both sides share: the probes write these names, the policies read them,
 the supervisor shows them.
 """

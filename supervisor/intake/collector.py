@@ -17,8 +17,8 @@ from typing import Any
 
 from spikeguard.workers.contract.messages import FORMAT_VERSION
 
+from ..launch.interface import RankPoll
 from . import validate
-from .launch.types import RankPoll
 
 PROGRESS_SAMPLES = 256
 """At most this many (time, step, tokens) samples a rank view keeps for its rates (those of

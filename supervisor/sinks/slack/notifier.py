@@ -29,9 +29,9 @@ from http.client import HTTPException
 from typing import Any
 
 from slack_sdk.errors import SlackApiError, SlackRequestError
-from spikeguard.workers.contract.secrets import redact
+from spikeguard.workers.contract.secret_scan import redact
 
-from ...events import Kind
+from ...decide.events import Kind
 from ..charts import has_chart_data, render_incident_chart
 from .client import web_client, webhook_client
 from .render import (

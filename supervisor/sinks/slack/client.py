@@ -16,7 +16,7 @@ from typing import Any
 from slack_sdk import WebClient
 from slack_sdk.http_retry import ConnectionErrorRetryHandler, RateLimitErrorRetryHandler
 from slack_sdk.webhook import WebhookClient
-from spikeguard.workers.contract.secrets import redact
+from spikeguard.workers.contract.secret_scan import redact
 
 from .settings import SlackSettings
 

@@ -15,12 +15,12 @@ import time
 from collections.abc import Iterable
 from typing import Any, TextIO
 
-from spikeguard.workers.contract.secrets import redact
+from spikeguard.workers.contract.secret_scan import redact
 from spikeguard.workers.contract.signals import grade_text
 
-from ..events import STORY_KINDS
-from ..secrets import held_secrets
-from ..status import live_status
+from ..decide.events import STORY_KINDS
+from ..observe.status import live_status
+from ..redaction import held_secrets
 from .describe import describe, duration_text
 
 

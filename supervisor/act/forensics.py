@@ -28,7 +28,7 @@ from typing import Any
 
 from spikeguard.workers import batches
 
-from .events import Kind
+from ..decide.events import Kind
 
 INCIDENTS_DIR = "incidents"
 _INCIDENT_RE = re.compile(r"^inc-\d{1,9}$")

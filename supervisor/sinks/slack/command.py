@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any, TextIO
 
 from slack_sdk.errors import SlackApiError, SlackRequestError
-from spikeguard.workers.contract.secrets import redact
+from spikeguard.workers.contract.secret_scan import redact
 
 from .client import web_client, webhook_client
 from .settings import SlackSettings

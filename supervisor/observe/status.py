@@ -15,9 +15,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from . import recovery as rc
-from .collector import Collector, rates
-from .events import TERMINAL_KINDS
+from ..decide import recovery as rc
+from ..decide.events import TERMINAL_KINDS
+from ..intake.collector import Collector, rates
 
 
 def run_view(state: rc.State) -> dict[str, Any]:

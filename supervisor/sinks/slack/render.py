@@ -16,7 +16,7 @@ from typing import Any
 
 from spikeguard.workers.contract.signals import grade_text, is_grade
 
-from ...events import INCIDENT_STATE, IncidentState, Kind
+from ...decide.events import INCIDENT_STATE, IncidentState, Kind
 from ..describe import describe, duration_text, esc, num, ranks_text
 
 HEADER_MAX, SECTION_MAX, FIELD_MAX, CONTEXT_MAX, TEXT_MAX = 150, 3000, 2000, 2000, 3900

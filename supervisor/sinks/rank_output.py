@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TextIO
 
-from spikeguard.workers.contract.secrets import redact
+from spikeguard.workers.contract.secret_scan import redact
 
-from ..launch.types import RankPoll
-from ..secrets import held_secrets
+from ..launch.interface import RankPoll
+from ..redaction import held_secrets
 
 MAX_LINE_CHARS = 2000
 """A longer line is cut (and says so)."""

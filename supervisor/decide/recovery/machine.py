@@ -2,10 +2,10 @@
 
 No Ray, no I/O, no clocks. The controller feeds it one observation at a time and carries out the
 effects it asks for; every transition also returns the journal events that explain it, each with
-a reason code (:class:`~spikeguard.supervisor.events.Reason`) beside the prose. The first event of
-a transition that changed the state also records the observations that caused it, so rebuilding
-the state after a restart is replaying :func:`step` over the journal (:func:`fold`): there is no
-second implementation of the rules.
+a reason code (:class:`~spikeguard.supervisor.decide.events.Reason`) beside the prose. The
+first event of a transition that changed the state also records the observations that caused
+it, so rebuilding the state after a restart is replaying :func:`step` over the journal
+(:func:`fold`): there is no second implementation of the rules.
 
 The recovery sequence; the handlers below carry these numbers::
 

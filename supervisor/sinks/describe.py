@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from spikeguard.workers.contract.signals import grade_text
 
-from ..events import Kind
+from ..decide.events import Kind
 
 Markup = Literal["plain", "mrkdwn"]
 MISSING = "—"
@@ -174,7 +174,7 @@ _VERIFY_WORDS = ("verif", "sha256", "checksum", "corrupt", "truncat", "pickle", 
 
 def _classify(reason: Any) -> tuple[str, str]:
     """(the count a skip reason falls in, its own words): the reasons come from
-    ``workers/checkpoint/select.py`` (and the machine's tests), recognised by their wording."""
+    ``workers/checkpoint/choose.py`` (and the machine's tests), recognised by their wording."""
     text = reason if isinstance(reason, str) else ""
     low = text.lower()
     if "min_steps_back" in low:

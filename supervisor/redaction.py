@@ -7,9 +7,9 @@ started it holds (cloud keys, ``HF_TOKEN``). The ranks run the user's script and
 so they get none of them (:func:`withheld`, used by
 :func:`~.launch.environment.rank_environment`), and every text the supervisor journals or prints
 has their values blanked out (:func:`held_secrets`, given to
-:func:`~spikeguard.workers.contract.secrets.redact` as ``known``).
+:func:`~spikeguard.workers.contract.secret_scan.redact` as ``known``).
 
-What is a secret is the one scanner's call (:mod:`spikeguard.workers.contract.secrets`): by its
+What is a secret is the one scanner's call (:mod:`spikeguard.workers.contract.secret_scan`): by its
 name (``secret_key``) or by its value (``secret_value``). The supervisor's own notification
 settings are withheld too, secret or not (:func:`notify_variable`): a rank has no business with
 the on-call channel.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from spikeguard.workers.contract.secrets import secret_key, secret_value
+from spikeguard.workers.contract.secret_scan import secret_key, secret_value
 
 NOTIFY_NAMES = frozenset({"SLACK_BOT_TOKEN"})
 """The supervisor's notification variables without a ``SPIKEGUARD_`` prefix."""
@@ -56,7 +56,7 @@ def _names_a_file(value: str) -> bool:
 
 def held_secrets(env: Mapping[str, str]) -> list[str]:
     """The secret values in ``env`` (a secret by name or by value), longest first: what
-    :func:`~spikeguard.workers.contract.secrets.redact` must blank out as ``known``.
+    :func:`~spikeguard.workers.contract.secret_scan.redact` must blank out as ``known``.
 
     Values shorter than :data:`MIN_HELD_LEN` and file paths (``GOOGLE_APPLICATION_CREDENTIALS=
     /home/me/key.json`` says where a secret is, and blanking it would garble every path under

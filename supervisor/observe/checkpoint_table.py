@@ -19,7 +19,7 @@ from typing import Any
 from spikeguard.workers.checkpoint import commit
 from spikeguard.workers.checkpoint.format import SIDECAR_SUFFIX, CheckpointInfo, Incomplete
 
-from .events import Kind
+from ..decide.events import Kind
 
 _NAME_RE = re.compile(r"^ckpt-step(\d+)-gen(\d+)(?:-rank\d+\.pt|\.dcp)$")
 
