@@ -257,7 +257,7 @@ def run_scale(
         world_size=ranks,
         hang_timeout_s=60.0,
         first_heartbeat_timeout_s=300.0,
-        notifiers=[decisions],
+        sinks=[decisions],
         poll_interval_s=0.0,
         on_tick=on_tick,
         remote_reap=False,

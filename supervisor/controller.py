@@ -36,7 +36,7 @@ from .launch.interface import Group, LaunchError, RankPoll
 from .observe.status import live_status
 
 
-class Notifier(Protocol):
+class Sink(Protocol):
     """Anything that wants every journaled event (console, Slack)."""
 
     def handle(self, event: dict[str, Any]) -> None: ...
@@ -69,7 +69,7 @@ class Controller:
         hang_timeout_s: float,
         first_heartbeat_timeout_s: float,
         kill_grace_s: float = 0.0,
-        notifiers: list[Notifier] | None = None,
+        sinks: list[Sink] | None = None,
         poll_interval_s: float = 0.25,
         on_tick: Callable[[Controller], None] | None = None,
         backoff_base_s: float = 0.0,
@@ -99,7 +99,7 @@ class Controller:
             first_heartbeat_timeout_s=first_heartbeat_timeout_s,
         )
         self.kill_grace_s = kill_grace_s
-        self.notifiers = list(notifiers or [])
+        self.sinks = list(sinks or [])
         self.poll_interval_s = poll_interval_s
         self.on_tick = on_tick
         self.backoff_base_s, self.backoff_max_s = backoff_base_s, backoff_max_s
@@ -664,7 +664,7 @@ class Controller:
 
     def _event(self, ev: dict[str, Any]) -> None:
         rec = self.journal.record(ev)
-        for n in self.notifiers:
+        for n in self.sinks:
             try:
                 n.handle(rec)
             except Exception as e:  # a notifier must never stop a recovery

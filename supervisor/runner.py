@@ -266,7 +266,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
             restore = getattr(n, "restore", None)
             if restore:
                 restore(events)
-        ctl.notifiers = notifiers
+        ctl.sinks = notifiers
         # SIGTERM is a preemption (pod eviction, spot reclaim, `ray job stop`): an emergency
         # checkpoint, then exit 143; the next `spikeguard submit` resumes
         preempt = ctl.preempt
@@ -289,7 +289,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         if exporter is not None:
             finish_metrics(exporter, ctl, job.metrics.final_scrape_s, interrupted=interrupted)
         if ctl is not None:
-            for n in ctl.notifiers:
+            for n in ctl.sinks:
                 close = getattr(n, "close", None)
                 if close:
                     close(10.0)

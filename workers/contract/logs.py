@@ -1,0 +1,45 @@
+"""The ``spikeguard`` logger hierarchy: diagnostics of every room, one line each.
+
+Every module logs to ``logging.getLogger(__name__)`` (``spikeguard.supervisor.runner``,
+``spikeguard.workers.session``, ...), all below the ``spikeguard`` logger. :func:`logger` returns
+that logger after giving the hierarchy its one handler: ``spikeguard: <message>`` on the
+process's standard output *at the time of the call* (a rank's stdout is its log file; the
+supervisor's is the terminal or the Ray job's log), which is what the command has always printed.
+An application that configures logging itself can remove it (``logging.getLogger("spikeguard")
+.handlers.clear()``) and route the records where it likes; the level is INFO unless it sets one.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+ROOT = "spikeguard"
+
+
+class _Stdout(logging.StreamHandler):  # type: ignore[type-arg]
+    """A stream handler on whatever ``sys.stdout`` is when a record is emitted."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stdout)
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201 (the handler's own attribute)
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
+def logger(name: str) -> logging.Logger:
+    """The logger ``name`` (a module's ``__name__``), the hierarchy's handler installed once."""
+    root = logging.getLogger(ROOT)
+    if not any(isinstance(h, _Stdout) for h in root.handlers):
+        handler = _Stdout()
+        handler.setFormatter(logging.Formatter(f"{ROOT}: %(message)s"))
+        root.addHandler(handler)
+        if root.level == logging.NOTSET:
+            root.setLevel(logging.INFO)
+        root.propagate = False
+    return logging.getLogger(name)
