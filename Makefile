@@ -17,7 +17,7 @@ TYPED := -p spikeguard.supervisor.decide.recovery -p spikeguard.workers.contract
 	-m spikeguard.workers.checkpoint.choose -m spikeguard.workers.checkpoint.format \
 	-m spikeguard.workers.checkpoint.pickle_scan -m spikeguard.workers.checkpoint.integrity \
 	-m spikeguard.supervisor.launch.topology \
-	-m spikeguard.supervisor.act.forensics -m spikeguard.supervisor.observe.status \
+	-m spikeguard.supervisor.intake.forensics -m spikeguard.supervisor.observe.status \
 	-m spikeguard.supervisor.observe.metrics -m spikeguard.supervisor.observe.svg \
 	-m spikeguard.workers.batches \
 	-m spikeguard.workers.checkpoint.commit -m spikeguard.workers.checkpoint.retention \

@@ -91,7 +91,7 @@ PURE = [
     "spikeguard.supervisor.controller",
     "spikeguard.supervisor.redaction",
     "spikeguard.supervisor.launch.environment",
-    "spikeguard.supervisor.act.forensics",
+    "spikeguard.supervisor.intake.forensics",
     "spikeguard.supervisor.observe.status",
     "spikeguard.supervisor.observe.metrics",
     "spikeguard.supervisor.observe.svg",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import spikeguard.workers as sgw
 import torch
-from spikeguard.supervisor.act import forensics
+from spikeguard.supervisor.intake import forensics
 from spikeguard.supervisor.intake import validate
 from spikeguard.supervisor.sinks.describe import describe
 from spikeguard.workers import contract

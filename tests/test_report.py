@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spikeguard.supervisor.act import forensics
+from spikeguard.supervisor.intake import forensics
 from spikeguard.supervisor.cli import main
 from spikeguard.supervisor.decide import recovery as rc
 from spikeguard.supervisor.journal import Journal

@@ -373,7 +373,7 @@ def test_an_incident_id_reused_after_its_conclusion_opens_a_new_thread(fake):
 
 
 def test_batch_forensics_are_a_reply_in_the_incident_thread_with_count_and_path(fake, tmp_path):
-    from spikeguard.supervisor.act import forensics
+    from spikeguard.supervisor.intake import forensics
 
     answers = forensics.Answers(incident="inc-001", attempt=1, generation=1, asked=[0, 1, 2, 3])
     for rank in (0, 1, 3):  # rank 2 hung: it cannot answer

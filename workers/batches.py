@@ -66,7 +66,7 @@ def answer_entries(
 
 def read_batch_ids(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The batch-ids file at ``path`` (the supervisor's record of an incident, see
-    ``spikeguard.supervisor.act.forensics``). Raises ``ValueError`` (with the reason) for a file
+    ``spikeguard.supervisor.intake.forensics``). Raises ``ValueError`` (with the reason) for a file
     that is missing, too large, unreadable or not a batch-ids document (no ``ranks`` object)."""
     try:
         size = os.stat(path).st_size

@@ -11,6 +11,8 @@ story is encoded once, in :mod:`.recovery`, and described once, here.
 from __future__ import annotations
 
 import enum
+import math
+from typing import Any
 
 
 class Kind(str, enum.Enum):
@@ -194,3 +196,78 @@ class Reason(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+# -- events the controller's upkeep writes (the machine writes the story's) ----------------------
+STANDBY_CODES: dict[str, Reason] = {
+    "started": Reason.STANDBY_STARTED,
+    "ready": Reason.STANDBY_READY,
+    "lost": Reason.STANDBY_LOST,
+    "discarded": Reason.STANDBY_DISCARDED,
+    "disabled": Reason.STANDBY_DISABLED,
+}
+"""The code of a ``standby`` event, by what happened (``launch.interface.StandbyChange.what``)."""
+
+
+def standby_event(change: Any, incident: str | None) -> dict[str, Any]:
+    """The ``standby`` event for a :class:`~..launch.interface.StandbyChange`."""
+    ev: dict[str, Any] = {
+        "kind": Kind.STANDBY.value,
+        "code": STANDBY_CODES[change.what].value,
+        "incident": incident,
+        "reason": change.reason,
+        "generation": change.generation,
+    }
+    if change.pids:
+        ev.update(pids=list(change.pids), port=change.port)
+    if change.rank is not None:
+        ev.update(rank=change.rank, exit_code=change.exit_code, log_tail=change.log_tail)
+    return ev
+
+
+def checkpoint_deleted_event(verdict: Any, incident: str | None) -> dict[str, Any]:
+    """The ``checkpoint_deleted`` event for a retention verdict that was carried out."""
+    loss = verdict.loss
+    return {
+        "kind": Kind.CHECKPOINT_DELETED.value,
+        "incident": incident,
+        "reason": verdict.reason,
+        "path": verdict.path,
+        "step": verdict.step,
+        "generation": verdict.generation,
+        "checkpoint_kind": verdict.kind,
+        "complete": verdict.complete,
+        "grade": verdict.grade,
+        "loss": str(loss) if isinstance(loss, float) and not math.isfinite(loss) else loss,
+        "ranks": verdict.ranks,
+        "bytes": verdict.size,
+    }
+
+
+def reaped_event(found: list[dict[str, Any]], why: str, incident: str | None) -> dict[str, Any]:
+    """The ``reaped`` event: rank processes of replaced generations found and killed by pid."""
+    gens = sorted({p["generation"] for p in found})
+    return {
+        "kind": Kind.REAPED.value,
+        "incident": incident,
+        "reason": f"killed {len(found)} {why} (generations {gens}) by pid",
+        "processes": found,
+    }
+
+
+def supervisor_start_event(
+    *, phase: str, generation: int, lr_scale: float, incident: str | None, pid: int, host: str
+) -> dict[str, Any]:
+    """The ``supervisor_start`` event of a supervisor taking over an unfinished journal."""
+    return {
+        "kind": Kind.SUPERVISOR_START.value,
+        "incident": incident,
+        "reason": f"restarted on an unfinished journal: phase {phase}, "
+        f"generation {generation}, LR scale {lr_scale:.4g}, "
+        f"{incident or 'no open incident'}",
+        "resumed": True,
+        "phase": phase,
+        "generation": generation,
+        "pid": pid,
+        "host": host,
+    }

@@ -24,7 +24,7 @@ from typing import IO, Any
 from spikeguard.workers.checkpoint.choose import list_checkpoints
 from spikeguard.workers.contract.signals import AGGREGATE
 
-from ..act import forensics
+from ..intake import forensics
 from ..decide import recovery as rc
 from ..journal import read_events
 

@@ -24,7 +24,7 @@ class _Stdout(logging.StreamHandler):  # type: ignore[type-arg]
         super().__init__(sys.stdout)
 
     @property  # type: ignore[override]
-    def stream(self):  # noqa: ANN201 (the handler's own attribute)
+    def stream(self):
         return sys.stdout
 
     @stream.setter
