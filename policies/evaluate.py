@@ -243,6 +243,21 @@ class Context:
         return self.series.get((self.msg.rank, layer, signal))
 
 
+def crossed(cond: Threshold, v: float) -> str | None:
+    """``"below"`` or ``"above"`` when the finite value ``v`` crosses the threshold, else None:
+    the one test of a threshold, for evaluation and its screen alike."""
+    if cond.below is not None and v < cond.below:
+        return "below"
+    if cond.above is not None and v > cond.above:
+        return "above"
+    return None
+
+
+def non_finite(v: Any) -> bool:
+    """True for a NaN or an infinity (a float: :func:`number` keeps a float as it is)."""
+    return type(v) is float and not math.isfinite(v)
+
+
 def evaluate(cond: Any, ctx: Context) -> Hit | None:
     """The hit if ``cond`` holds on this message, else None."""
     kind = type(cond)
@@ -284,27 +299,22 @@ def evaluate(cond: Any, ctx: Context) -> Hit | None:
     if v is None:
         return None
     if kind is NonFinite:
-        if math.isfinite(v):
+        if not non_finite(v):
             return None
         return Hit(signal, v, ctx.layer_of(signal), f"{signal} is {v}")
     if not math.isfinite(v):
         return None
     if kind is Threshold:
-        if cond.below is not None and v < cond.below:
-            return Hit(
-                signal,
-                v,
-                ctx.layer_of(signal),
-                f"{signal} {fmt(signal, v)} is below {fmt(signal, cond.below)}",
-            )
-        if cond.above is not None and v > cond.above:
-            return Hit(
-                signal,
-                v,
-                ctx.layer_of(signal),
-                f"{signal} {fmt(signal, v)} is above {fmt(signal, cond.above)}",
-            )
-        return None
+        side = crossed(cond, v)
+        if side is None:
+            return None
+        bound = cond.below if side == "below" else cond.above
+        return Hit(
+            signal,
+            v,
+            ctx.layer_of(signal),
+            f"{signal} {fmt(signal, v)} is {side} {fmt(signal, bound)}",
+        )
     if kind is Change:
         return _change(cond, ctx, v)
     if kind is Trailing:
@@ -346,18 +356,16 @@ def screen(cond: Any) -> Screen:
     if kind is NonFinite:
 
         def finite(msg: dict, series: dict, rank: Any, earlier: dict) -> bool:
-            v = msg.get(signal)  # number(v) is None or finite unless v is a float
-            return type(v) is not float or math.isfinite(v)
+            return not non_finite(msg.get(signal))  # number(v) is v for a float
 
         return finite
     if kind is Threshold:
-        below, above = cond.below, cond.above
 
         def within(msg: dict, series: dict, rank: Any, earlier: dict) -> bool:
             v = number(msg.get(signal))
             if v is None or not math.isfinite(v):
                 return True  # the tests ignore non-finite values
-            return not ((below is not None and v < below) or (above is not None and v > above))
+            return crossed(cond, v) is None
 
         return within
     above, below = cond.above_median, cond.below_median
@@ -374,14 +382,8 @@ def screen(cond: Any) -> Screen:
             bounds = s.extremes(exact) if s is not None else None
             if bounds is None and not prior:
                 return True  # no window at all
-            if above is not None:
-                lo = min(prior + [bounds[0]] if bounds else prior)
-                if lo > 0 and v <= above * lo:
-                    return True
-            else:
-                assert below is not None
-                if v >= below * max(prior + [bounds[1]] if bounds else prior):
-                    return True
+            if _beyond_median_impossible(cond, v, prior + list(bounds) if bounds else prior):
+                return True  # the test evaluation makes, on the window's extremes
             if s is None or s.exact:
                 return False
         return False
