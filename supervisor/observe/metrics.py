@@ -34,6 +34,7 @@ from typing import Any, Literal
 from spikeguard.workers.contract.signals import AGGREGATE, LAYER_SIGNALS
 
 from ..decide import recovery as rc
+from ..decide.lifecycle import outcome_of
 from ..intake.collector import Collector
 
 PREFIX = "spikeguard_"
@@ -75,13 +76,6 @@ DROP_REASONS = (
     "rank_backpressure",
 )
 """The ``reason`` label of dropped reports (anything else counts as ``other``)."""
-OUTCOMES = {
-    "probation_passed": "resolved",
-    "escalated": "escalated",
-    "failed": "failed",
-    "stopped": "stopped",
-}
-"""The journal kind that ends an incident -> the ``outcome`` label of recoveries."""
 
 Kind = Literal["gauge", "counter", "histogram"]
 Labels = tuple[str, ...]
@@ -230,8 +224,9 @@ class MetricsFold:
             if severity not in ("info", "warn", "page"):
                 severity = "warn"
             _bump(self.alerts, (_label(ev.get("rule")), severity))
-        if kind in OUTCOMES and isinstance(inc, str) and inc in self._rule_of:
-            self._conclude(inc, OUTCOMES[str(kind)], mono)
+        outcome = outcome_of(kind)  # the one lifecycle (decide.lifecycle)
+        if outcome is not None and isinstance(inc, str) and inc in self._rule_of:
+            self._conclude(inc, outcome.value, mono)
 
     def _conclude(self, inc: str, outcome: str, mono: float | None) -> None:
         """Incident ``inc`` ended (the first ending counts)."""

@@ -31,7 +31,8 @@ from spikeguard.workers.checkpoint.choose import on_lineage, select_checkpoint
 from spikeguard.workers.contract.secret_scan import redact
 from spikeguard.workers.contract.signals import grade_text
 
-from ..act import forensics as fx
+from ..decide.lifecycle import outcome_of
+from ..intake import forensics as fx
 from ..redaction import held_secrets
 from ..sinks.describe import describe, ranks_text
 from .rundata import Generation, RunData, load_run
@@ -185,8 +186,8 @@ class _Page:
                 row["attempts"] = max(row["attempts"], e.get("attempt") or 1)
             elif kind == "rollback" and _int(e.get("checkpoint_step")):
                 row["rollbacks"].append(e["checkpoint_step"])
-            elif kind in ("probation_passed", "escalated", "failed", "stopped"):
-                row["end"] = {"probation_passed": "resolved"}.get(str(kind), str(kind))
+            elif (ended := outcome_of(kind)) is not None:  # the one lifecycle
+                row["end"] = ended.value
         if not opened:
             return '<p class="muted">No incident.</p>'
         out = [
