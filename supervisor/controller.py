@@ -223,9 +223,8 @@ class Controller:
             return  # fenced (or replaced) while handling an earlier message of this poll
         views = self.collector.ranks
         for decision in self.engine.observe(msg):
-            settings = rc.Settings.from_policy(decision.recovery)
             hist = self.collector.history
-            self._apply(observation_of(decision, msg, views=views, history=hist, settings=settings))
+            self._apply(observation_of(decision, msg, views=views, history=hist))
             if self.collector.generation != gen:
                 return  # acted upon: the generation was fenced (and maybe replaced)
         for obs in observations_of(msg, gen):

@@ -35,13 +35,12 @@ def observation_of(
     *,
     views: Mapping[int, Any],
     history: Iterable[dict[str, Any]],
-    settings: rc.Settings,
 ) -> rc.Observation:
     """The machine's observation for an engine ``decision`` on ``msg``.
 
     ``views``: the collector's per-rank views (loss, grad norm, summary grade, step);
-    ``history``: the collector's recent samples, for the chart; ``settings``: the recovery
-    settings the decision's rule carries (``rc.Settings.from_policy(decision.recovery)``)."""
+    ``history``: the collector's recent samples, for the chart. A recover decision carries its
+    rule's recovery settings (``decision.recovery``: the policy's, with the rule's overrides)."""
     d = decision
     details: dict[str, Any] = {
         "action": d.action,
@@ -81,7 +80,7 @@ def observation_of(
         d.rule,
         d.reason,
         d.step,
-        settings,
+        rc.Settings.from_policy(d.recovery),
         details=details,
         fault=msg["type"] in FAULTS,
         furthest_step=max(steps) if steps else None,

@@ -1,11 +1,13 @@
 """The recovery machine: states as data, one pure ``step()`` per observation, no Ray, no I/O.
 
-* :mod:`.model`    phases, settings, the state, observations (inputs) and effects (outputs)
-* :mod:`.machine`  the table of handlers, ``step()`` and ``fold()`` (replaying the journal)
+* :mod:`.model`    phases, settings (the policy's), the state, observations (inputs) and effects
+  (outputs)
+* :mod:`.machine`  the table of handlers (and of restarts), ``step()`` and ``fold()`` (replaying the
+  journal)
 * :mod:`.codec`    observations to and from the journal's JSON
 """
 
-from .machine import HANDLERS, fold, step
+from .machine import HANDLERS, RESTART, fold, step
 from .model import (
     ACTIVE,
     EXITS,
@@ -53,6 +55,7 @@ __all__ = [
     "EXITS",
     "HANDLERS",
     "RECUR_WINDOW_STEPS",
+    "RESTART",
     "TERMINAL",
     "CheckpointChosen",
     "CheckpointSaved",

@@ -33,9 +33,14 @@ Around it:
 * **stop**: a stop request -> ``stopped``.
 * **notify**: a notify rule fired or resolved -> ``alert`` (no state change).
 * **restart**: a restarted supervisor (:class:`Restarted`) finishes whatever step the journal shows
-  unfinished, or resumes a running generation from the newest healthy checkpoint (``resume``).
-* **budget**: more than ``max_incidents`` incidents in a run escalate at once; with
-  ``on_exhausted: hold`` an exhausted incident holds (ranks killed, waiting for a human).
+  unfinished, or resumes a running generation from the newest healthy checkpoint (``resume``);
+  what it does in each phase is the table :data:`RESTART`.
+* **escalation**: more than ``max_incidents`` incidents in a run, a spent attempt budget, a
+  recurring fault, nothing to roll back to, or a restart whose checkpoint is gone escalate
+  (``_escalate``, the one way to give up): the job stops (exit 3), or with ``on_exhausted: hold``
+  it holds (ranks killed, waiting for a human).
+
+Every launch's :class:`ResumePlan` is built by ``_plan``.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ from .model import (
     Restarted,
     ResumePlan,
     SelectCheckpoint,
+    Settings,
     Shutdown,
     Start,
     State,
@@ -167,7 +173,7 @@ def _ev(kind: Kind, code: Reason, reason: str, incident: Incident | None, **fiel
 @_on([Phase.STARTING], Start)
 def start(state: State, obs: Start) -> Transition:
     """Launch generation 1."""
-    plan = ResumePlan(generation=next_generation(state), lr_scale=state.lr_scale)
+    plan = _plan(state)
     st = _replace(
         state,
         phase=Phase.RELAUNCHING,
@@ -183,9 +189,8 @@ def start(state: State, obs: Start) -> Transition:
 @_on([Phase.STARTING], Launched)
 def started(state: State, obs: Launched) -> Transition:
     """Generation 1 is up (a launch made without a :class:`Start`)."""
-    return _launched(
-        _replace(state, plan=state.plan or ResumePlan(generation=obs.generation)), obs, "initial"
-    )
+    plan = state.plan or _plan(state, generation=obs.generation)
+    return _launched(_replace(state, plan=plan), obs, "initial")
 
 
 # ---- 1. RUNNING: a recover decision opens an incident ----------------------------------------
@@ -212,9 +217,9 @@ def step1_incident(state: State, obs: Recover) -> Transition:
                 f"this run has had {n} incidents, more than max_incidents "
                 f"{settings.max_incidents}: recovering again would not make it healthy"
             )
-            return _give_up(state, inc, [opened], why, Reason.TOO_MANY_INCIDENTS)
+            return _escalate(state, inc, [opened], why, Reason.TOO_MANY_INCIDENTS, settings)
         why = f"recovery budget of {settings.max_attempts} attempts spent"
-        return _give_up(state, inc, [opened], why, Reason.BUDGET_SPENT)
+        return _escalate(state, inc, [opened], why, Reason.BUDGET_SPENT, settings)
     return _kill_for(state, inc, obs, [])
 
 
@@ -295,20 +300,9 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
     s = inc.settings
     factor = lr_factor(s, inc.attempts)
     scale = state.lr_scale * factor
-    skip, by_ids = _skip_window(inc, obs.step)
-    plan = ResumePlan(
-        checkpoint=obs.path,
-        checkpoint_step=obs.step,
-        sha256=obs.sha256,
-        lr_scale=scale,
-        reset_optimizer=s.reset_optimizer,
-        skip_ranges=skip,
-        skip_batches=inc.batch_ids if by_ids else None,
-        skip_batches_steps=by_ids,
-        generation=next_generation(state),
-    )
+    skip = _skip_window(inc, obs.step)
+    plan = _plan(state, obs, lr_scale=scale, reset_optimizer=s.reset_optimizer, skip=skip)
     inc = _replace(inc, attempts=inc.attempts + 1)
-    skipped = [{"path": p, "reason": r} for p, r in obs.skipped]
     if obs.path is None:
         code = Reason.RESTART_FROM_START
         why = (
@@ -333,8 +327,8 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
             checkpoint_step=obs.step,
             checkpoint_path=obs.path,
             grade=obs.grade,
-            skipped=skipped,
-            skip_ranges=[list(r) for r in skip],
+            skipped=_skipped(obs),
+            skip_ranges=[list(r) for r in plan.skip_ranges],
             **_skip_batches_fields(plan),
             attempt=inc.attempts,
             plan=plan.to_dict(),
@@ -372,19 +366,17 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
     return Transition(st, (Launch(plan, backoff_attempt=backoff),), tuple(events))
 
 
-def _skip_window(
-    inc: Incident, checkpoint_step: int | None
-) -> tuple[tuple[tuple[int, int], ...], tuple[int, int] | None]:
+def _skip_window(inc: Incident, checkpoint_step: int | None) -> _Skip:
     """What the relaunch skips of the incident's window (``skip_window`` steps up to it): a step
     range after the checkpoint, or (``skip_by: batch_ids``, with the ranks' batch ids on file)
     the window whose recorded batches are skipped by id wherever they come again."""
     s = inc.settings
     if s.skip_window <= 0:
-        return (), None
+        return _Skip()
     if s.skip_by == "batch_ids" and inc.batch_ids is not None:
-        return (), (max(inc.step - s.skip_window + 1, 0), inc.step)
+        return _Skip(batches=inc.batch_ids, window=(max(inc.step - s.skip_window + 1, 0), inc.step))
     first = 0 if checkpoint_step is None else checkpoint_step + 1  # never the checkpoint's data
-    return ((max(inc.step - s.skip_window + 1, first), inc.step),), None
+    return _Skip(ranges=((max(inc.step - s.skip_window + 1, first), inc.step),))
 
 
 def _skip_batches_fields(plan: ResumePlan) -> dict[str, Any]:
@@ -398,9 +390,9 @@ def _skip_batches_fields(plan: ResumePlan) -> dict[str, Any]:
 
 
 def _no_checkpoint(state: State, inc: Incident, obs: CheckpointChosen) -> Transition:
-    """Nothing to roll back to (or, with ``fallback_on_corrupt`` off, a corrupt one): escalate."""
+    """Nothing to roll back to (or, with ``fallback_on_corrupt`` off, a corrupt one): escalate
+    (or hold, ``on_exhausted: hold``)."""
     s = inc.settings
-    skipped = [{"path": p, "reason": r} for p, r in obs.skipped]
     if obs.corrupt is not None:
         code = Reason.CORRUPT_CHECKPOINT
         why = (
@@ -413,20 +405,29 @@ def _no_checkpoint(state: State, inc: Incident, obs: CheckpointChosen) -> Transi
             f"no checkpoint graded >= S{s.min_grade} at least {s.min_steps_back} steps before "
             f"step {inc.step} verifies"
         )
-    ends = (
-        _ev(
-            Kind.ROLLBACK,
-            code,
-            why,
-            inc,
-            checkpoint_step=None,
-            checkpoint_path=None,
-            skipped=skipped,
-        ),
-        _ev(Kind.ESCALATED, code, why, inc, hold=False),
+    rollback = _none_chosen(Kind.ROLLBACK, code, why, inc, obs)
+    return _escalate(state, inc, [rollback], why, code, s)
+
+
+def _none_chosen(
+    kind: Kind, code: Reason, why: str, inc: Incident | None, obs: CheckpointChosen, **fields: Any
+) -> Event:
+    """The rollback or resume event that found nothing to go back to (what it passed over)."""
+    return _ev(
+        kind,
+        code,
+        why,
+        inc,
+        checkpoint_step=None,
+        checkpoint_path=None,
+        skipped=_skipped(obs),
+        **fields,
     )
-    st = _replace(state, phase=Phase.ESCALATED, exit_code=ExitCode.ESCALATED)
-    return Transition(st, (Shutdown(ExitCode.ESCALATED),), ends)
+
+
+def _skipped(obs: CheckpointChosen) -> list[dict[str, str]]:
+    """The newer checkpoints the choice passed over, and why (as events record them)."""
+    return [{"path": p, "reason": r} for p, r in obs.skipped]
 
 
 # ---- 4. RELAUNCHING: the new generation is up
@@ -446,7 +447,7 @@ _LAUNCH_CODES = {
 
 
 def _launched(state: State, obs: Launched, cause: RelaunchCause) -> Transition:
-    plan = state.plan or ResumePlan(generation=obs.generation)
+    plan = state.plan or _plan(state, generation=obs.generation)
     inc = state.incident
     start_at = start_step(plan)
     fields = dict(
@@ -559,10 +560,11 @@ def step5_probation_failed(state: State, obs: Recover) -> Transition:
             f"{obs.rule} recurred at {at} on consecutive attempts: the fault is deterministic "
             "at this step and another attempt would loop; failing fast"
         )
-        return _give_up(state, inc, events, why, Reason.RECURRING_FAULT, fail_fast=True)
+        code = Reason.RECURRING_FAULT
+        return _escalate(state, inc, events, why, code, inc.settings, fail_fast=True)
     if inc.attempts >= inc.settings.max_attempts:
         why = f"recovery budget of {inc.settings.max_attempts} attempts spent"
-        return _give_up(state, inc, events, why, Reason.BUDGET_SPENT)
+        return _escalate(state, inc, events, why, Reason.BUDGET_SPENT, inc.settings)
     inc = _replace(
         inc,
         rule=obs.rule,
@@ -572,27 +574,6 @@ def step5_probation_failed(state: State, obs: Recover) -> Transition:
         furthest_step=obs.furthest_step,
     )
     return _kill_for(state, inc, obs, events)
-
-
-def _give_up(
-    state: State,
-    inc: Incident,
-    events: list[Event],
-    why: str,
-    code: Reason,
-    fail_fast: bool = False,
-) -> Transition:
-    """Escalate: stop the job (exit 3), or hold it for a human (``on_exhausted: hold``)."""
-    extra = {"fail_fast": True} if fail_fast else {}
-    if inc.settings.on_exhausted == "hold":
-        events.append(
-            _ev(Kind.ESCALATED, code, f"{why}; holding for a human", inc, hold=True, **extra)
-        )
-        st = _replace(state, phase=Phase.HOLDING, incident=inc)
-        return Transition(st, (Kill(f"{why}; holding"),), tuple(events))
-    events.append(_ev(Kind.ESCALATED, code, why, inc, hold=False, **extra))
-    st = _replace(state, phase=Phase.ESCALATED, incident=inc, exit_code=ExitCode.ESCALATED)
-    return Transition(st, (Kill(why), Shutdown(ExitCode.ESCALATED)), tuple(events))
 
 
 # ---- the run ends --------------------------------------------------------------------------------
@@ -810,9 +791,7 @@ def launch_failed(state: State, obs: LaunchFailed) -> Transition:
         )
         return Transition(st, (Kill(why), Shutdown(ExitCode.FAILED)), events)
     st = _replace(state, max_generation=max(state.max_generation, failed_gen))
-    plan = _replace(
-        state.plan or ResumePlan(lr_scale=state.lr_scale), generation=next_generation(st)
-    )
+    plan = _replace(state.plan, generation=next_generation(st)) if state.plan else _plan(st)
     st = _replace(
         st,
         phase=Phase.RELAUNCHING,
@@ -838,13 +817,31 @@ def launch_failed(state: State, obs: LaunchFailed) -> Transition:
 
 
 # ---- a restarted supervisor ----------------------------------------------------------------------
+RESTART: dict[Phase, Handler] = {}
+"""What a restarted supervisor does in each phase the journal folded to (after a preemption:
+the phase it interrupted); the other half of the machine's table, for :class:`Restarted`."""
+
+
+def _on_restart(*phases: Phase) -> Callable[[Handler], Handler]:
+    """Register the decorated function as the restart's answer in each of ``phases``."""
+
+    def register(fn: Handler) -> Handler:
+        for phase in phases:
+            if phase in RESTART:
+                raise ValueError(f"two restart answers in {phase.value}")
+            RESTART[phase] = fn
+        return fn
+
+    return register
+
+
 @_on(LIVE, Restarted)
 def restarted(state: State, obs: Restarted) -> Transition:
     """Finish what the journal shows unfinished: an interrupted kill, the checkpoint choice, the
     relaunch with the journaled plan; a running generation is resumed from a checkpoint (its
     agents died with the old supervisor). A preempted run goes back to the phase the preemption
     interrupted, and resumes from its newest checkpoint whatever its grade (the emergency one,
-    if the ranks made it in time)."""
+    if the ranks made it in time). What each phase does is :data:`RESTART`."""
     st = _replace(
         state,
         max_generation=max(state.max_generation, obs.highest_generation),
@@ -859,34 +856,67 @@ def restarted(state: State, obs: Restarted) -> Transition:
             exit_code=None,
             preempted_from=st.preempted_from if keep else None,
         )
-    p, inc = st.phase, st.incident
-    if p is Phase.STARTING:
-        return start(st, Start(obs.launch_retries))
-    if p in (Phase.RUNNING, Phase.PROBATION, Phase.RESUMING):
-        back = st.resume_to if p is Phase.RESUMING else p
-        s = inc.settings if inc is not None else obs.settings
-        min_grade = None if st.preempted_from is not None else s.min_grade
-        st = _replace(st, phase=Phase.RESUMING, resume_to=back or Phase.RUNNING)
-        return Transition(st, (SelectCheckpoint(min_grade, None, 0, st.lineage),))
-    if p is Phase.KILLING and inc is not None:
-        return Transition(st, (Kill(f"supervisor restart: finishing the kill of {inc.id}"),))
-    if p is Phase.ROLLING_BACK and inc is not None:
-        return Transition(st, (_rollback_select(st, inc),))
-    if p is Phase.RELAUNCHING and st.plan is not None:
-        plan = st.plan
-        if plan.generation <= st.max_generation:  # that launch may have begun: a new number
-            plan = _replace(plan, generation=st.max_generation + 1)
-        return Transition(_replace(st, plan=plan), (Launch(plan),))
-    return Transition(st)  # HOLDING: the ranks are dead, a human decides
+    return RESTART[st.phase](st, obs)
+
+
+@_on_restart(Phase.STARTING)
+def _restart_start(st: State, obs: Restarted) -> Transition:
+    """Nothing was launched yet: start."""
+    return start(st, Start(obs.launch_retries))
+
+
+@_on_restart(Phase.RUNNING, Phase.PROBATION, Phase.RESUMING)
+def _restart_resume(st: State, obs: Restarted) -> Transition:
+    """The generation's agents died with the old supervisor: choose the checkpoint to resume
+    from (any grade after a preemption; else the incident's, or the policy's, ``min_grade``)."""
+    back = st.resume_to if st.phase is Phase.RESUMING else st.phase
+    s = st.incident.settings if st.incident is not None else obs.settings
+    min_grade = None if st.preempted_from is not None else s.min_grade
+    st = _replace(st, phase=Phase.RESUMING, resume_to=back or Phase.RUNNING, resume_settings=s)
+    return Transition(st, (SelectCheckpoint(min_grade, None, 0, st.lineage),))
+
+
+@_on_restart(Phase.KILLING)
+def _restart_kill(st: State, obs: Restarted) -> Transition:
+    """Finish the interrupted kill."""
+    if st.incident is None:
+        return Transition(st)
+    return Transition(st, (Kill(f"supervisor restart: finishing the kill of {st.incident.id}"),))
+
+
+@_on_restart(Phase.ROLLING_BACK)
+def _restart_rollback(st: State, obs: Restarted) -> Transition:
+    """Choose the incident's checkpoint again."""
+    if st.incident is None:
+        return Transition(st)
+    return Transition(st, (_rollback_select(st, st.incident),))
+
+
+@_on_restart(Phase.RELAUNCHING)
+def _restart_relaunch(st: State, obs: Restarted) -> Transition:
+    """Launch with the journaled plan, under a new number when that launch may have begun."""
+    if st.plan is None:
+        return Transition(st)
+    plan = st.plan
+    if plan.generation <= st.max_generation:
+        plan = _replace(plan, generation=st.max_generation + 1)
+    return Transition(_replace(st, plan=plan), (Launch(plan),))
+
+
+@_on_restart(Phase.HOLDING)
+def _restart_holding(st: State, obs: Restarted) -> Transition:
+    """The ranks are dead and a human decides: nothing to do."""
+    return Transition(st)
 
 
 @_on([Phase.RESUMING], CheckpointChosen)
 def resume(state: State, obs: CheckpointChosen) -> Transition:
     """The checkpoint a restarted supervisor resumes the run from (the newest healthy one on the
-    lineage, with the journaled LR scale; none yet: from step 0)."""
+    lineage, with the journaled LR scale; none yet: from step 0). The generation's checkpoint
+    gone: escalate (or hold, ``on_exhausted: hold``)."""
     old, inc = state.plan, state.incident
-    gen = next_generation(state)
-    skipped = [{"path": p, "reason": r} for p, r in obs.skipped]
+    settings = state.resume_settings if state.resume_settings is not None else Settings()
+    state = _replace(state, resume_settings=None)
     back = (state.resume_to or Phase.RUNNING).value
     if obs.path is None:
         if old is not None and old.checkpoint is not None:
@@ -895,46 +925,16 @@ def resume(state: State, obs: CheckpointChosen) -> Transition:
                 f"resumed from {old.checkpoint}, which no longer verifies)"
             )
             code = Reason.RESUME_CHECKPOINT_GONE
-            events = (
-                _ev(
-                    Kind.RESUME,
-                    code,
-                    why,
-                    inc,
-                    checkpoint_step=None,
-                    checkpoint_path=None,
-                    skipped=skipped,
-                    resume_to=back,
-                ),
-                _ev(Kind.ESCALATED, code, why, inc, hold=False),
-            )
-            st = _replace(state, phase=Phase.ESCALATED, exit_code=ExitCode.ESCALATED)
-            return Transition(st, (Shutdown(ExitCode.ESCALATED),), events)
-        plan = ResumePlan(
-            lr_scale=state.lr_scale,
-            skip_ranges=old.skip_ranges if old else (),
-            skip_batches=old.skip_batches if old else None,
-            skip_batches_steps=old.skip_batches_steps if old else None,
-            generation=gen,
-        )
+            gone = _none_chosen(Kind.RESUME, code, why, inc, obs, resume_to=back)
+            return _escalate(state, inc, [gone], why, code, settings)
+        plan = _plan(state, skip=_carried(old, after=None))
         code = Reason.RESUME_FROM_START
         why = (
             "supervisor restart: no checkpoint yet on this run's lineage; starting over from step 0"
         )
     else:
         reset = bool(old is not None and old.reset_optimizer and old.checkpoint == obs.path)
-        skips = tuple(r for r in (old.skip_ranges if old else ()) if r[1] > (obs.step or 0))
-        plan = ResumePlan(
-            checkpoint=obs.path,
-            checkpoint_step=obs.step,
-            sha256=obs.sha256,
-            lr_scale=state.lr_scale,
-            reset_optimizer=reset,
-            skip_ranges=skips,
-            skip_batches=old.skip_batches if old else None,  # by id: wherever they come again
-            skip_batches_steps=old.skip_batches_steps if old else None,
-            generation=gen,
-        )
+        plan = _plan(state, obs, reset_optimizer=reset, skip=_carried(old, after=obs.step or 0))
         code = Reason.RESUME_FROM_CHECKPOINT
         why = (
             "supervisor restart: resuming from the newest healthy checkpoint "
@@ -954,7 +954,7 @@ def resume(state: State, obs: CheckpointChosen) -> Transition:
         checkpoint_step=obs.step,
         checkpoint_path=obs.path,
         grade=obs.grade,
-        skipped=skipped,
+        skipped=_skipped(obs),
         lr_scale=state.lr_scale,
         resume_to=back,
         plan=plan.to_dict(),
@@ -968,3 +968,74 @@ def resume(state: State, obs: CheckpointChosen) -> Transition:
         preempted_from=None,
     )
     return Transition(st, (Launch(plan),), (event,))
+
+
+# ---- escalation: the one way automatic recovery gives up ---------------------------------------
+def _escalate(
+    state: State,
+    inc: Incident | None,
+    events: list[Event],
+    why: str,
+    code: Reason,
+    settings: Settings,
+    *,
+    fail_fast: bool = False,
+) -> Transition:
+    """Give up: stop the job (exit 3), or hold it for a human (``settings.on_exhausted: hold``).
+    Ranks still training are killed either way; after a kill or a restart there are none."""
+    extra = {"fail_fast": True} if fail_fast else {}
+    training = state.phase in ACTIVE
+    if settings.on_exhausted == "hold":
+        events.append(
+            _ev(Kind.ESCALATED, code, f"{why}; holding for a human", inc, hold=True, **extra)
+        )
+        st = _replace(state, phase=Phase.HOLDING, incident=inc)
+        return Transition(st, (Kill(f"{why}; holding"),) if training else (), tuple(events))
+    events.append(_ev(Kind.ESCALATED, code, why, inc, hold=False, **extra))
+    st = _replace(state, phase=Phase.ESCALATED, incident=inc, exit_code=ExitCode.ESCALATED)
+    kill = (Kill(why),) if training else ()
+    return Transition(st, (*kill, Shutdown(ExitCode.ESCALATED)), tuple(events))
+
+
+# ---- the resume plan: built in one place -------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Skip:
+    """What a launch skips (see :class:`ResumePlan`): step ranges, and the batches recorded for
+    a window of steps, by id."""
+
+    ranges: tuple[tuple[int, int], ...] = ()
+    batches: str | None = None
+    window: tuple[int, int] | None = None
+
+
+def _carried(old: ResumePlan | None, after: int | None) -> _Skip:
+    """What the generation's plan skipped and a resume still has ahead of it: the ranges ending
+    after step ``after`` (None: every range), and the batches by id (wherever they come again)."""
+    if old is None:
+        return _Skip()
+    ranges = tuple(r for r in old.skip_ranges if after is None or r[1] > after)
+    return _Skip(ranges, old.skip_batches, old.skip_batches_steps)
+
+
+def _plan(
+    state: State,
+    chosen: CheckpointChosen | None = None,
+    *,
+    lr_scale: float | None = None,
+    reset_optimizer: bool = False,
+    skip: _Skip = _Skip(),
+    generation: int | None = None,
+) -> ResumePlan:
+    """The plan of the next launch: from ``chosen`` (None: from step 0), with the run's LR scale
+    (or ``lr_scale``), skipping ``skip``, as ``generation`` (None: the next number)."""
+    return ResumePlan(
+        checkpoint=chosen.path if chosen else None,
+        checkpoint_step=chosen.step if chosen else None,
+        sha256=chosen.sha256 if chosen else None,
+        lr_scale=state.lr_scale if lr_scale is None else lr_scale,
+        reset_optimizer=reset_optimizer,
+        skip_ranges=skip.ranges,
+        skip_batches=skip.batches,
+        skip_batches_steps=skip.window,
+        generation=next_generation(state) if generation is None else generation,
+    )

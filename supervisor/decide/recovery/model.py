@@ -17,7 +17,8 @@ import json
 import typing
 from typing import Any, Literal
 
-from spikeguard.policies.schema import lr_factor_for
+from pydantic import BaseModel
+from spikeguard.policies.schema import RecoverySettings, lr_factor_for
 from spikeguard.workers.contract.plan import ResumePlan
 
 EVENT_ONLY = {"journal": False}
@@ -75,62 +76,49 @@ recurrence (reports are asynchronous: a crashed rank's last reported step can la
 RelaunchCause = Literal["initial", "recovery", "launch_retry", "restart"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Settings:
-    """The recovery settings the machine needs (a rule's effective settings)."""
+class Settings(RecoverySettings):
+    """The recovery settings the machine reads (a rule's effective settings): the policy's
+    :class:`~spikeguard.policies.RecoverySettings` itself, whose fields define every setting
+    once (name, type, default, meaning).
 
-    min_grade: int = 4
-    """Roll back only to checkpoints graded at least this (S4)."""
-    min_steps_back: int = 0
-    """The checkpoint must be at least this many steps before the incident."""
-    fallback_on_corrupt: bool = True
-    """A checkpoint that fails verification falls back to the next older one; False: the
-    incident escalates instead (a corrupt checkpoint is a storage problem for a human)."""
-    lr_factors: tuple[float, ...] = (0.5,)
-    """LR factor per attempt (the last one repeats); the scale compounds."""
-    reset_optimizer: bool = True
-    """Start the optimizer fresh after a rollback."""
-    skip_window: int = 0
-    """Skip the batches of this many steps up to the incident (0: none)."""
-    skip_by: Literal["steps", "batch_ids"] = "steps"
-    """How the window is skipped: its steps (the data order repeats), or the batches the ranks
-    recorded for those steps, by their ids, wherever they come up again (falls back to the
-    steps when no rank answered the incident's batch-ids request)."""
-    probation_steps: int = 1000
-    """Steps after the resume that must pass without another recover decision."""
-    max_attempts: int = 3
-    """Recoveries allowed for one incident before it escalates."""
-    max_incidents: int = 10
-    """Incidents allowed in one run; the next one escalates at once (a fault that recurs every
-    N steps, N longer than probation, would otherwise open fresh incidents forever)."""
-    on_exhausted: Literal["stop", "hold"] = "stop"
-    """When the budget is spent: stop the job and page, or hold it (ranks killed, for a human)."""
+    Taken as given, not validated again: they come from a policy that was validated, or from
+    the journal, which recorded them; and a caller may ask for what no policy can say (a budget
+    of 0 attempts escalates at once). Unknown names are a ``TypeError``, as for a dataclass.
+    """
+
+    def __init__(self, /, **values: Any) -> None:
+        unknown = sorted(set(values) - set(type(self).model_fields))
+        if unknown:
+            raise TypeError(f"Settings got unexpected fields {unknown}")
+        if "lr_factors" in values:
+            values["lr_factors"] = [float(f) for f in values["lr_factors"]]
+        given = type(self).model_construct(**values)
+        for slot in _MODEL_SLOTS:
+            object.__setattr__(self, slot, getattr(given, slot))
 
     @classmethod
     def from_policy(cls, rs: Any) -> Settings:
         """From a :class:`spikeguard.policies.RecoverySettings` (or anything with these fields)."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        kw = {n: getattr(rs, n) for n in names if hasattr(rs, n)}
-        if "lr_factors" in kw:
-            kw["lr_factors"] = tuple(kw["lr_factors"])
-        return cls(**kw)
+        return cls(**{n: getattr(rs, n) for n in cls.model_fields if hasattr(rs, n)})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> Settings:
         """From a journaled ``settings`` object (unknown keys ignored; None: the defaults)."""
         if not isinstance(d, dict):
             return cls()
-        names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in names}
-        if "lr_factors" in kw:
-            kw["lr_factors"] = tuple(float(x) for x in kw["lr_factors"])
-        return cls(**kw)
+        return cls(**{k: v for k, v in d.items() if k in cls.model_fields})
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able data."""
-        d = dataclasses.asdict(self)
-        d["lr_factors"] = list(self.lr_factors)
-        return d
+        """Plain JSON-able data, in the fields' order (how events and the journal record it)."""
+        return {n: _plain_copy(getattr(self, n)) for n in type(self).model_fields}
+
+
+_MODEL_SLOTS = ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")
+"""What a pydantic model instance holds (what :meth:`pydantic.BaseModel.model_construct` sets)."""
+
+
+def _plain_copy(value: Any) -> Any:
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -189,6 +177,10 @@ class State:
     """The phase to return to after a launch retry or a supervisor restart (RUNNING/PROBATION)."""
     preempted_from: Phase | None = None
     """The phase a preemption interrupted (PREEMPTING, PREEMPTED): where a resume goes back to."""
+    resume_settings: Settings | None = None
+    """The recovery settings a restarted supervisor resumes under (RESUMING: the incident's, else
+    the policy's): what happens when nothing is left to resume from. Cleared by the resume, so
+    the digests of every other phase are those an older supervisor journaled."""
     requests_sent: int = 0
     """Requests sent to the ranks so far (each request's id is its number)."""
     probation_reported: int = 0
@@ -210,17 +202,28 @@ def state_digest(state: State) -> str:
 
 
 def _non_default(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    fields = _fields_and_defaults(value)
+    if fields is not None:
         out = {}
-        for f in dataclasses.fields(value):
-            v = getattr(value, f.name)
-            if f.default is not dataclasses.MISSING and v == f.default:
+        for name, default in fields:
+            v = getattr(value, name)
+            if default is not dataclasses.MISSING and v == default:
                 continue
-            out[f.name] = _non_default(v)
+            out[name] = _non_default(v)
         return out
     if isinstance(value, (tuple, list)):
         return [_non_default(v) for v in value]
     return value
+
+
+def _fields_and_defaults(value: Any) -> list[tuple[str, Any]] | None:
+    """(name, default) of each field of a record (a dataclass or, like :class:`Settings`, a
+    pydantic model; ``MISSING``: none), or None for a plain value."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [(f.name, f.default) for f in dataclasses.fields(value)]
+    if isinstance(value, BaseModel):
+        return [(n, f.default) for n, f in type(value).model_fields.items()]
+    return None
 
 
 # ---- observations (inputs) ---------------------------------------------------------------------
