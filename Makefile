@@ -21,7 +21,10 @@ TYPED := -p spikeguard.supervisor.decide.recovery -p spikeguard.workers.contract
 	-m spikeguard.supervisor.observe.metrics -m spikeguard.supervisor.observe.svg \
 	-m spikeguard.workers.batches \
 	-m spikeguard.workers.checkpoint.commit -m spikeguard.workers.checkpoint.retention \
-	-m spikeguard.workers.checkpoint.remove -m spikeguard.supervisor.observe.checkpoint_table
+	-m spikeguard.workers.checkpoint.remove -m spikeguard.supervisor.observe.checkpoint_table \
+	-m spikeguard.workers.checkpoint.storage -m spikeguard.supervisor.decide.lifecycle \
+	-m spikeguard.supervisor.decide.observation -m spikeguard.supervisor.intake.tick \
+	-m spikeguard.supervisor.settings
 
 .PHONY: demo test setup lint typecheck clean
 

@@ -10,18 +10,18 @@
 * :func:`select_checkpoint` chooses the rollback target: the newest checkpoint that qualifies,
   with the reason each newer one was passed over.
 
-Everything here is pure apart from reading files; nothing is written or removed.
+Everything here is pure apart from reading files, through the directory's
+:class:`~.storage.Storage` (:func:`~.storage.storage_for` it, unless one is given); nothing is
+written or removed.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import stat
 from collections.abc import Callable, Sequence
 
 from . import commit, pickle_scan
-from .files import NotRegularFile, kind, lstat_regular
 from .format import (
     SIDECAR_SUFFIX,
     CheckpointError,
@@ -34,6 +34,7 @@ from .format import (
     read_sidecar,
 )
 from .integrity import open_checked
+from .storage import NotRegularFile, Storage, stat_file, storage_for
 
 
 def _order(info: CheckpointInfo) -> tuple[int, int, int, str]:
@@ -41,15 +42,15 @@ def _order(info: CheckpointInfo) -> tuple[int, int, int, str]:
     return (info.step, info.generation, info.rank, info.path)
 
 
-def _read_listed(meta_path: str) -> CheckpointInfo:
+def _read_listed(meta_path: str, storage: Storage) -> CheckpointInfo:
     """The sidecar at ``meta_path``, checked against its data file's size (not its content).
 
     Both must be regular files (a symlink is not one: it is never followed).
     """
-    lstat_regular(meta_path)
-    info = read_sidecar(meta_path)
+    stat_file(storage, meta_path)
+    info = read_sidecar(meta_path, storage=storage)
     try:
-        size = lstat_regular(info.path).st_size
+        size = stat_file(storage, info.path).size
     except FileNotFoundError:
         raise CorruptCheckpointError(f"data file {info.path} is missing") from None
     except NotRegularFile as e:
@@ -63,42 +64,31 @@ def _read_listed(meta_path: str) -> CheckpointInfo:
     return info
 
 
-def _size_on_disk(path: str) -> int:
+def _size_on_disk(path: str, storage: Storage) -> int:
     """Bytes of the regular files directly in ``path`` (0 if it cannot be listed)."""
-    total = 0
     try:
-        with os.scandir(path) as entries:
-            for entry in entries:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    total += st.st_size
+        return sum(entry.size for entry in storage.listdir(path) if entry.kind == "file")
     except OSError:
         return 0
-    return total
 
 
-def _read_sharded(directory: str) -> CheckpointInfo | None:
+def _read_sharded(directory: str, storage: Storage) -> CheckpointInfo | None:
     """The commit marker of ``directory``, checked against the sizes of the files it lists.
 
     None when the directory has no marker (an incomplete save).
     """
-    st = os.lstat(directory)
-    if not stat.S_ISDIR(st.st_mode):
-        raise CorruptCheckpointError(
-            f"{directory} is {kind(st.st_mode)}, not a directory (never followed)"
-        )
+    st = storage.stat(directory)
+    if st.kind != "dir":
+        raise CorruptCheckpointError(f"{directory} is {st.what}, not a directory (never followed)")
     try:
-        raw = commit.read_marker_bytes(directory)
+        raw = commit.read_marker_bytes(directory, storage=storage)
     except FileNotFoundError:
         return None
     info = commit.parse_marker(directory, raw)
     for name, _sha, size in info.files:
         path = os.path.join(directory, name)
         try:
-            actual = lstat_regular(path).st_size
+            actual = stat_file(storage, path).size
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 f"{path}, listed in its commit marker, is missing"
@@ -112,10 +102,12 @@ def _read_sharded(directory: str) -> CheckpointInfo | None:
     return info
 
 
-def _list_one(found: CheckpointList, path: str, name: str, names: set[str]) -> None:
+def _list_one(
+    found: CheckpointList, path: str, name: str, names: set[str], storage: Storage
+) -> None:
     """Add the checkpoint (or the problem) ``name`` in the listed directory is, if any."""
     if commit.parse_trainer_name(name) is not None:
-        info = _read_sharded(path)
+        info = _read_sharded(path, storage)
         if info is not None:
             found.append(info)
         else:  # the Trainer's save in progress, or one spikeguard never committed: not ours
@@ -123,29 +115,31 @@ def _list_one(found: CheckpointList, path: str, name: str, names: set[str]) -> N
         return
     sharded = commit.parse_sharded_name(name)
     if sharded is not None:
-        info = _read_sharded(path)
+        info = _read_sharded(path, storage)
         if info is not None:
             found.append(info)
         else:
             found.problems.append(
                 (path, "incomplete: no commit marker (interrupted or unfinished)")
             )
-            size = _size_on_disk(path)
+            size = _size_on_disk(path, storage)
             found.incomplete.append(Incomplete(path, sharded[0], sharded[1], "sharded", size))
         return
     replicated = parse_data_name(name)
     if replicated is not None and name + SIDECAR_SUFFIX not in names:
         found.problems.append((path, "data file without sidecar (interrupted write?)"))
         try:
-            size = lstat_regular(path).st_size
+            size = stat_file(storage, path).size
         except OSError:
             size = 0
         found.incomplete.append(Incomplete(path, replicated[0], replicated[1], "replicated", size))
     if is_sidecar_name(name):
-        found.append(_read_listed(path))
+        found.append(_read_listed(path, storage))
 
 
-def list_checkpoints(directory: str | os.PathLike[str]) -> CheckpointList:
+def list_checkpoints(
+    directory: str | os.PathLike[str], *, storage: Storage | None = None
+) -> CheckpointList:
     """The published checkpoints in ``directory``, sorted by (step, generation, rank).
 
     Replicated checkpoints are found by their sidecars, sharded ones by their directories'
@@ -155,21 +149,24 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> CheckpointList:
     symlink is never followed; a FIFO is never opened for a blocking read), files that cannot be
     read (EACCES, ELOOP, EIO...), data files without a sidecar and sharded directories without a
     commit marker (interrupted or unfinished saves, also in ``incomplete``) go to the result's
-    ``problems`` as (path, reason); so does a directory that cannot be listed. A directory that
-    does not exist holds no checkpoints.
+    ``problems`` as (path, reason); so does a directory that cannot be listed, or one of a URL
+    scheme no storage is registered for. A directory that does not exist holds no checkpoints.
+    ``storage``: where ``directory`` is (default: :func:`~.storage.storage_for` it).
     """
     found = CheckpointList()
+    directory = os.fspath(directory)
     try:
-        names = set(os.listdir(directory))
+        storage = storage or storage_for(directory)
+        names = {entry.name for entry in storage.listdir(directory)}
     except FileNotFoundError:
         return found
-    except OSError as e:  # ENOTDIR, EACCES, ELOOP, ENAMETOOLONG...
-        found.problems.append((os.fspath(directory), f"cannot list the directory: {e}"))
+    except (OSError, ValueError) as e:  # ENOTDIR, EACCES, ELOOP...; an unknown URL scheme
+        found.problems.append((directory, f"cannot list the directory: {e}"))
         return found
     for name in sorted(names):
-        path = os.path.join(os.fspath(directory), name)
+        path = os.path.join(directory, name)
         try:
-            _list_one(found, path, name, names)
+            _list_one(found, path, name, names, storage)
         except (CheckpointError, OSError) as e:
             found.problems.append((path, str(e)))
         except Exception as e:  # one odd file must never hide the others or stop a recovery
@@ -178,7 +175,7 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> CheckpointList:
     return found
 
 
-def verify_sharded(info: CheckpointInfo) -> CheckpointInfo:
+def verify_sharded(info: CheckpointInfo, *, storage: Storage | None = None) -> CheckpointInfo:
     """Check a sharded checkpoint: its marker, every file it lists, and DCP's ``.metadata``.
 
     The marker is read again and must still have ``info.sha256`` (what a resume plan carries);
@@ -187,7 +184,8 @@ def verify_sharded(info: CheckpointInfo) -> CheckpointInfo:
     :class:`CorruptCheckpointError`, :class:`UnsafeCheckpointError` or :class:`CheckpointError`
     as :func:`verify` does.
     """
-    marker = commit.read_marker(info.path)
+    storage = storage or storage_for(info.path)
+    marker = commit.read_marker(info.path, storage=storage)
     if marker.sha256 != info.sha256:
         raise CorruptCheckpointError(
             f"commit marker {marker.meta_path}: sha256 {marker.sha256}, expected {info.sha256} "
@@ -196,7 +194,7 @@ def verify_sharded(info: CheckpointInfo) -> CheckpointInfo:
     for name, sha256, size in marker.files:
         path = os.path.join(info.path, name)
         try:
-            with open_checked(path, [("commit marker", sha256)], size) as f:
+            with open_checked(path, [("commit marker", sha256)], size, storage=storage) as f:
                 if name == commit.DCP_METADATA_NAME:
                     pickle_scan.scan_dcp_metadata(f.read(pickle_scan.MAX_PICKLE_BYTES + 1), path)
         except OSError as e:  # reading failed midway (EIO...): not the file's fault
@@ -204,7 +202,7 @@ def verify_sharded(info: CheckpointInfo) -> CheckpointInfo:
     return marker
 
 
-def verify(info: CheckpointInfo) -> None:
+def verify(info: CheckpointInfo, *, storage: Storage | None = None) -> None:
     """Check that ``info``'s data file is the one its sidecar describes, and loadable (a sharded
     checkpoint: :func:`verify_sharded`).
 
@@ -216,12 +214,14 @@ def verify(info: CheckpointInfo) -> None:
     Raises :class:`CorruptCheckpointError` (missing, not a regular file, empty, truncated, altered,
     not a ``torch.save`` zip), :class:`UnsafeCheckpointError` (an opcode or a global the
     unpickler refuses), or :class:`CheckpointError` (the file cannot be read for another reason).
+    ``storage``: where the checkpoint is (default: :func:`~.storage.storage_for` its path).
     """
     if info.kind != "replicated":  # a committed directory: sharded, or a Trainer's
-        verify_sharded(info)
+        verify_sharded(info, storage=storage)
         return
+    checked = open_checked(info.path, [("sidecar", info.sha256)], info.size, storage=storage)
     try:
-        with open_checked(info.path, [("sidecar", info.sha256)], info.size) as f:
+        with checked as f:
             pickle_scan.scan_checkpoint(f, info.path)
     except OSError as e:  # reading failed midway (EIO...): not the file's fault
         raise CheckpointError(f"{info.path}: reading failed: {e}") from e

@@ -30,7 +30,8 @@ checkpoint the kind ``"hf-trainer"``. A DCP marker has no ``layout`` field.
 
 Object storage (``s3://…``) fits the same layout: one prefix per checkpoint, the marker a single
 object written last (a PUT is atomic there, so no rename is needed), and listing reads the
-markers under the checkpoint prefix. See the README's "Checkpoints" section for what is left.
+markers under the checkpoint prefix. Markers are read through :mod:`.storage`, so such a store
+is one more :class:`~.storage.Storage`; see the README's "Checkpoints" section for what is left.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ import os
 import re
 from typing import Any
 
-from .files import open_regular
 from .format import (
     MAX_FIELD_INT,
     CheckpointInfo,
@@ -49,6 +49,7 @@ from .format import (
     decode_json,
     header_problem,
 )
+from .storage import Storage, storage_for
 
 SHARDED_FORMAT = "spikeguard-sharded-checkpoint"
 SHARDED_FORMAT_VERSION = 1
@@ -183,14 +184,15 @@ def _marker_problem(fields: dict[str, Any], directory: str) -> str | None:
     return _files_problem(fields.get("files"), dcp=layout is None)
 
 
-def read_marker_bytes(directory: str) -> bytes:
+def read_marker_bytes(directory: str, *, storage: Storage | None = None) -> bytes:
     """The raw bytes of ``directory``'s commit marker (a regular file, never followed through a
-    symlink, never blocking). Raises ``FileNotFoundError`` when there is none (an incomplete
-    save), :class:`CorruptCheckpointError` when it cannot be read or is too large."""
+    symlink, never blocking), read from ``storage`` (default: :func:`~.storage.storage_for`
+    ``directory``). Raises ``FileNotFoundError`` when there is none (an incomplete save),
+    :class:`CorruptCheckpointError` when it cannot be read or is too large."""
     path = os.path.join(directory, COMMIT_NAME)
+    storage = storage or storage_for(directory)
     try:
-        with open_regular(path) as f:
-            raw = f.read(MAX_MARKER_BYTES + 1)
+        raw = storage.read_bytes(path, MAX_MARKER_BYTES + 1)
     except FileNotFoundError:
         raise
     except OSError as e:
@@ -233,14 +235,17 @@ def parse_marker(directory: str, raw: bytes) -> CheckpointInfo:
     )
 
 
-def read_marker(directory: str | os.PathLike[str]) -> CheckpointInfo:
-    """Read and validate ``directory``'s commit marker; the other files are not looked at.
+def read_marker(
+    directory: str | os.PathLike[str], *, storage: Storage | None = None
+) -> CheckpointInfo:
+    """Read and validate ``directory``'s commit marker (in ``storage``, by default
+    :func:`~.storage.storage_for` it); the other files are not looked at.
 
     Raises :class:`CorruptCheckpointError` (see :func:`parse_marker`; a missing marker too).
     """
     directory = os.fspath(directory)
     try:
-        raw = read_marker_bytes(directory)
+        raw = read_marker_bytes(directory, storage=storage)
     except FileNotFoundError as e:
         raise CorruptCheckpointError(
             f"{directory} has no commit marker (an interrupted or unfinished save): {e}"

@@ -163,7 +163,7 @@ def verify_for_load(
         _verify_share(info, writer.rank, writer.world_size)
     except CheckpointError as e:
         problem = e
-    verdicts = writer._all_gather(
+    verdicts = writer.all_gather(
         None if problem is None else (type(problem).__name__, str(problem)), writer._groups()[0]
     )
     if problem is not None:

@@ -45,7 +45,6 @@ import contextlib
 import datetime
 import json
 import os
-import shutil
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -60,6 +59,7 @@ from . import commit
 from . import write as _write
 from .format import CheckpointError, CheckpointInfo
 from .integrity import hash_file
+from .storage import storage_for
 
 _CHECKPOINT_EXCEPTION = getattr(
     getattr(dcp, "api", None), "CheckpointException", None
@@ -161,9 +161,11 @@ class ShardedWriter:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
         return int(t.item())
 
-    def _all_gather(self, obj: Any, group: Any) -> list[Any]:
+    def all_gather(self, obj: Any, group: Any = None) -> list[Any]:
+        """``obj`` of every rank, by rank, over ``group`` (default: the control group)."""
         if not self.distributed:
             return [obj]
+        group = self._groups()[0] if group is None else group
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=group)
         return out
@@ -270,7 +272,7 @@ class ShardedWriter:
             _write._check_arguments(state, meta, step, generation, 0)
             prepared = _write._prepare(state, "state", _write._safe_classes() | {DTensor})
             meta = json.loads(json.dumps(meta, default=_write._json_default, allow_nan=True))
-            if os.path.lexists(path):
+            if storage_for(path).exists(path):
                 raise CheckpointError(f"refusing to overwrite existing {path}")
             if fence is not None:
                 try:
@@ -278,14 +280,14 @@ class ShardedWriter:
                 except Exception as e:
                     fenced = e
                     raise CheckpointError(f"fenced: {e}") from e
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            storage_for(path).make_dirs(os.path.dirname(path) or ".")
         except RecursionError:
             problem = "state or meta contains a reference cycle (or is nested too deep)"
         except (TypeError, ValueError) as e:
             problem = f"meta is not JSON-serialisable: {e}"
         except (CheckpointError, OSError) as e:
             problem = str(e)
-        problems = self._all_gather(problem, self._groups()[0])
+        problems = self.all_gather(problem, self._groups()[0])
         if fenced is not None:
             raise fenced
         failed = [(r, p) for r, p in enumerate(problems) if p is not None]
@@ -325,7 +327,7 @@ class ShardedWriter:
         except Exception:
             return
         if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
+            storage_for(path).remove_tree(path, ignore_errors=True)
 
     def _own_files(self, referenced: set[str]) -> list[str]:
         """The files of ``referenced`` this rank wrote: DCP names a rank's ``__{rank}_…``; rank 0
@@ -437,7 +439,7 @@ class ShardedWriter:
                 return {"marker": text}
             except (OSError, CheckpointError) as e:
                 problems.append(f"writing the commit marker failed: {e}")
-        shutil.rmtree(path, ignore_errors=True)
+        storage_for(path).remove_tree(path, ignore_errors=True)
         error = f"sharded checkpoint {path} not committed: " + "; ".join(problems)
         return {"error": error, "fenced": fenced}
 
@@ -467,16 +469,10 @@ def _marker_meta(gathered: list[dict[str, Any]], meta: dict[str, Any]) -> dict[s
 
 
 def _publish_marker(path: str, text: str) -> None:
-    """Write the commit marker atomically: temp file, fsync, rename (never over an existing
-    marker), directory fsync."""
+    """Publish the commit marker write-once (:meth:`.storage.Storage.publish_bytes`: on POSIX a
+    temp file, fsync, a link never over an existing marker, directory fsync)."""
     final = os.path.join(path, commit.COMMIT_NAME)
-    tmp = os.path.join(path, f".tmp-{commit.COMMIT_NAME}-{os.getpid()}")
-    created: list[str] = []
     try:
-        _write._write_durable(tmp, lambda w: w.write(text.encode()), created)
-        _write._publish(tmp, final, created)
-    except BaseException:
-        for created_path in reversed(created):
-            with contextlib.suppress(OSError):
-                os.unlink(created_path)
-        raise
+        storage_for(final).publish_bytes(final, text.encode())
+    except FileExistsError as e:
+        raise _write.refusal(e, final) from None

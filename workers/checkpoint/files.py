@@ -1,4 +1,5 @@
-"""Opening a checkpoint's files: regular files only, never through a symlink, never blocking.
+"""Opening a checkpoint's files on POSIX: regular files only, never through a symlink, never
+blocking. The primitives behind :class:`~.storage.PosixStorage`; nothing else uses them.
 
 A checkpoint directory is shared with whatever else can write to it, so a name shaped like a
 checkpoint may be a FIFO (opening it for reading would wait for a writer forever), a device, a
@@ -12,7 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 _FLAGS = (
     os.O_RDONLY
@@ -21,6 +22,10 @@ _FLAGS = (
     | getattr(os, "O_CLOEXEC", 0)
 )
 _LINK_ERRNOS = {errno.ELOOP, errno.EMLINK}  # EMLINK: O_NOFOLLOW on a link, on FreeBSD
+
+Kind = Literal["file", "dir", "symlink", "other"]
+"""What a storage entry is: a regular file (an object), a directory (a prefix), a symbolic link
+(never followed) or anything else (a FIFO, a device, a socket)."""
 
 
 class NotRegularFile(OSError):
@@ -42,20 +47,24 @@ def kind(mode: int) -> str:
     return "not a plain file"
 
 
-def check_regular(path: str, mode: int) -> None:
-    """Raise :class:`NotRegularFile` unless ``mode`` (an ``st_mode``) is a regular file's."""
+def kind_of(mode: int) -> Kind:
+    """The :data:`Kind` of a file of ``st_mode`` ``mode``."""
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "dir"
     if stat.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+
+
+def check_regular(path: str, what: Kind, words: str) -> None:
+    """Raise :class:`NotRegularFile` unless ``what`` is ``"file"`` (``words``: the kind in
+    words, for the message). Every storage refuses a non-regular file with these words."""
+    if what == "symlink":
         raise NotRegularFile(f"{path} is a symbolic link, not a regular file (never followed)")
-    if not stat.S_ISREG(mode):
-        raise NotRegularFile(f"{path} is {kind(mode)}, not a regular file")
-
-
-def lstat_regular(path: str) -> os.stat_result:
-    """``os.lstat(path)``, or :class:`NotRegularFile` if it is not a regular file (a symlink is
-    not); any other ``OSError`` propagates."""
-    st = os.lstat(path)
-    check_regular(path, st.st_mode)
-    return st
+    if what != "file":
+        raise NotRegularFile(f"{path} is {words}, not a regular file")
 
 
 def open_regular(path: str) -> BinaryIO:
@@ -74,7 +83,8 @@ def open_regular(path: str) -> BinaryIO:
             ) from None
         raise
     try:
-        check_regular(path, os.fstat(fd).st_mode)
+        mode = os.fstat(fd).st_mode
+        check_regular(path, kind_of(mode), kind(mode))
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

@@ -29,12 +29,12 @@ import re
 from typing import Any
 
 from ..contract.messages import too_deep
-from .files import open_regular
+from .storage import TMP_PREFIX as TMP_PREFIX
+from .storage import Storage, storage_for
 
 CHECKPOINT_FORMAT = "spikeguard-checkpoint"
 CHECKPOINT_FORMAT_VERSION = 1
 SIDECAR_SUFFIX = ".json"
-TMP_PREFIX = ".tmp-"
 
 _DATA_NAME_RE = re.compile(r"^ckpt-step(\d+)-gen(\d+)-rank(\d+)\.pt$")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -120,7 +120,7 @@ class Incomplete:
 
 
 class CheckpointList(list[CheckpointInfo]):
-    """:func:`~.select.list_checkpoints`'s result.
+    """:func:`~.choose.list_checkpoints`'s result.
 
     ``problems`` holds (path, reason) for each file that was skipped; ``incomplete`` the saves
     among them that never finished (each also in ``problems``).
@@ -224,18 +224,19 @@ def decode_json(raw: bytes, what: str, max_depth: int) -> dict[str, Any]:
     return fields if isinstance(fields, dict) else {}
 
 
-def read_sidecar(meta_path: str) -> CheckpointInfo:
-    """Read and validate the sidecar at ``meta_path``; its data file is not looked at.
+def read_sidecar(meta_path: str, *, storage: Storage | None = None) -> CheckpointInfo:
+    """Read and validate the sidecar at ``meta_path`` (in ``storage``, by default
+    :func:`~.storage.storage_for` it); its data file is not looked at.
 
     Raises :class:`CorruptCheckpointError` naming what is wrong: unreadable (missing, a symlink, a
-    FIFO or anything but a regular file, EACCES...: see :func:`.files.open_regular`; never
+    FIFO or anything but a regular file, EACCES...: see :meth:`.storage.Storage.read_bytes`; never
     blocks), larger than :data:`MAX_SIDECAR_BYTES`, malformed JSON, nested deeper than
     :data:`MAX_SIDECAR_DEPTH`, another format or version, a bad field, or fields that describe
     another file name.
     """
+    storage = storage or storage_for(meta_path)
     try:
-        with open_regular(meta_path) as f:
-            raw = f.read(MAX_SIDECAR_BYTES + 1)
+        raw = storage.read_bytes(meta_path, MAX_SIDECAR_BYTES + 1)
     except OSError as e:
         raise CorruptCheckpointError(f"sidecar {meta_path}: unreadable: {e}") from e
     if len(raw) > MAX_SIDECAR_BYTES:

@@ -3,7 +3,8 @@
 :func:`load_checkpoint` hashes the data file against its sidecar and/or a checksum the caller was
 given (the supervisor's resume plan carries one), then unpickles the same open file with
 ``torch.load(weights_only=True)``: the weights-only unpickler is the real guard against a
-malicious pickle, whatever :func:`~.select.verify` predicted.
+malicious pickle, whatever :func:`~.choose.verify` predicted. The files are read through their
+:class:`~.storage.Storage`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .format import (
     read_sidecar,
 )
 from .integrity import open_checked
+from .storage import storage_for
 
 # torch's refusal message ends by advising weights_only=False; only its first line says why.
 _REFUSAL_RE = re.compile(r"WeightsUnpickler error: ([^\n]*)")
@@ -35,7 +37,7 @@ def _sidecar_for(path: str, expected_sha256: str | None) -> CheckpointInfo | Non
     A corrupt sidecar raises :class:`CorruptCheckpointError`, unless ``expected_sha256`` is given:
     then it is ignored and the caller's checksum decides.
     """
-    if not os.path.lexists(path + SIDECAR_SUFFIX):
+    if not storage_for(path).exists(path + SIDECAR_SUFFIX):
         return None
     try:
         return read_sidecar(path + SIDECAR_SUFFIX)

@@ -9,7 +9,7 @@ unpickles it with an unpickler that resolves nothing else; see :mod:`.dcp_load`)
 The real guard is on the rank: :func:`~.load.load_checkpoint` unpickles with
 ``torch.load(weights_only=True)``, whose unpickler implements a fixed set of opcodes and calls only
 allowlisted globals. The supervisor, which must not import torch, still has to avoid choosing a
-checkpoint that guard would refuse (or a malicious one), so :func:`~.select.verify` runs this scan.
+checkpoint that guard would refuse (or a malicious one), so :func:`~.choose.verify` runs this scan.
 It reads the pickle's opcodes with :func:`pickletools.genops`, which decodes the byte stream and
 nothing more: it imports no module, looks up no global and calls nothing.
 

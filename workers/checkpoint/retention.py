@@ -223,7 +223,7 @@ def decide(
     """A verdict for every checkpoint of a listing (see the module docstring).
 
     ``protected``: paths never deleted (the resume plan's checkpoint). ``lineage``: the
-    launches so far (see :func:`~.select.on_lineage`; None or empty: every checkpoint counts as
+    launches so far (see :func:`~.choose.on_lineage`; None or empty: every checkpoint counts as
     on it). ``generation``: the generation running now. Complete checkpoints first, newest
     first, then the unfinished saves.
     """

@@ -3,9 +3,10 @@
 :mod:`.commit` (layout :data:`~.commit.TRAINER_LAYOUT`).
 
 The framework writes its files as it always does; then rank 0 hashes every file in the directory
-and publishes the marker (temp file, fsync, rename, directory fsync), after the fence check: a rank
+and publishes the marker (through the directory's :class:`~.storage.Storage`: on POSIX a temp
+file, fsync, rename, directory fsync), after the fence check: a rank
 of a replaced generation never publishes one. The supervisor lists, verifies and chooses such a
-directory exactly as a sharded checkpoint (:mod:`.select`), and a rank verifies it against its
+directory exactly as a sharded checkpoint (:mod:`.choose`), and a rank verifies it against its
 resume plan's checksum before the framework loads it (:func:`verify_for_resume`).
 
 Only a flat directory is committed (what the Trainer writes for a single-device or DDP model):
@@ -16,50 +17,44 @@ than the directory holds.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
-import stat
 from collections.abc import Callable
 from typing import Any
 
 from . import commit
 from .choose import verify_sharded
 from .dcp_write import _marker_meta, _publish_marker
-from .files import fsync_directory
 from .format import CheckpointError, CheckpointInfo
-from .integrity import hash_file
+from .storage import TMP_PREFIX, Storage, storage_for
 
 
 def retract(directory: str) -> bool:
     """Remove ``directory``'s commit marker, if any (before the framework writes into it again,
     e.g. a step an abandoned generation had saved too). Returns whether there was one."""
-    try:
-        os.unlink(os.path.join(directory, commit.COMMIT_NAME))
-    except FileNotFoundError:
+    storage = storage_for(directory)
+    if not storage.remove_file(os.path.join(directory, commit.COMMIT_NAME)):
         return False
-    fsync_directory(directory)
+    storage.sync(directory)
     return True
 
 
-def _hash_files(directory: str) -> dict[str, tuple[str, int]]:
+def _hash_files(directory: str, storage: Storage) -> dict[str, tuple[str, int]]:
     """{name: (sha256, size)} of every file in ``directory`` but the marker and temp files."""
     files: dict[str, tuple[str, int]] = {}
-    with os.scandir(directory) as entries:
-        listed = sorted(entries, key=lambda e: e.name)
-    for entry in listed:
+    for entry in sorted(storage.listdir(directory), key=lambda e: e.name):
         name = entry.name
-        if name == commit.COMMIT_NAME or name.startswith(".tmp-"):
+        path = os.path.join(directory, name)
+        if name == commit.COMMIT_NAME or name.startswith(TMP_PREFIX):
             continue
-        mode = entry.stat(follow_symlinks=False).st_mode
-        if not stat.S_ISREG(mode):
-            what = "a subdirectory" if stat.S_ISDIR(mode) else "not a regular file"
+        if entry.kind != "file":
+            what = "a subdirectory" if entry.kind == "dir" else "not a regular file"
             raise CheckpointError(
-                f"{entry.path} is {what}: only flat checkpoint directories are committed"
+                f"{path} is {what}: only flat checkpoint directories are committed"
             )
         if not commit.valid_file_name(name):
-            raise CheckpointError(f"{entry.path}: a file name the commit marker cannot list")
-        files[name] = hash_file(entry.path)
+            raise CheckpointError(f"{path}: a file name the commit marker cannot list")
+        files[name] = storage.sha256(path)
     if not files:
         raise CheckpointError(f"{directory} holds no file to commit")
     return files
@@ -87,9 +82,10 @@ def commit_trainer_dir(
     name = os.path.basename(os.path.normpath(directory))
     if commit.parse_trainer_name(name) != step:
         raise CheckpointError(f"{directory} is not named {commit.TRAINER_PREFIX}{step}")
+    storage = storage_for(directory)
     retract(directory)
     try:
-        files = _hash_files(directory)
+        files = _hash_files(directory, storage)
     except OSError as e:
         raise CheckpointError(f"{directory}: {e}") from e
     if fence is not None:
@@ -104,8 +100,7 @@ def commit_trainer_dir(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
         layout=commit.TRAINER_LAYOUT,
     )
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(directory, commit.COMMIT_NAME))  # a racing older publish
+    storage.remove_file(os.path.join(directory, commit.COMMIT_NAME))  # a racing older publish
     _publish_marker(directory, text)
     return commit.parse_marker(directory, text.encode())
 

@@ -5,8 +5,10 @@
 them under their final names without ever replacing a file (a hard link; a check and a rename
 where the filesystem has no hard links), fsyncing the directory after each. The sidecar goes last:
 a checkpoint exists once its sidecar does, so a writer killed at any point leaves either a whole
-checkpoint or one that :func:`~.select.list_checkpoints` reports as a problem, plus temp files
-that :func:`clean_temp_files` removes. Other checkpoints are never touched.
+checkpoint or one that :func:`~.choose.list_checkpoints` reports as a problem, plus temp files
+that :func:`clean_temp_files` removes. Other checkpoints are never touched. Every file operation
+goes through the directory's :class:`~.storage.Storage` (the pickle scan of the temp file, by
+torch, needs it on a local filesystem).
 
 In the common data-parallel case rank 0 writes the replicated state and the others nothing;
 ``rank`` is in the name so that per-rank shards can come later.
@@ -17,11 +19,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
-import glob
 import hashlib
 import json
 import os
-import stat
 import time
 from collections.abc import Callable
 from typing import Any, BinaryIO
@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from ..contract.messages import too_deep
-from .files import fsync_directory
 from .format import (
     MAX_FIELD_INT,
     MAX_SIDECAR_BYTES,
@@ -43,6 +42,7 @@ from .format import (
     checkpoint_name,
     sidecar_text,
 )
+from .storage import remove_quietly, storage_for, temp_name
 
 # Values the weights-only unpickler loads as they are.
 _LEAVES = (
@@ -167,21 +167,29 @@ class _HashingWriter:
         self._f.flush()
 
 
+def refusal(e: FileExistsError, final: str | None = None) -> CheckpointError:
+    """The error of a write-once publication (of ``final``) that found ``e.filename`` there:
+    ``final`` itself, or this process's temp file for it."""
+    if final is not None and e.filename == final:
+        return CheckpointError(f"refusing to overwrite existing {final}")
+    return CheckpointError(
+        f"temp file {e.filename} exists: the same checkpoint is being written concurrently, "
+        "or a crashed writer left it (see clean_temp_files)"
+    )
+
+
 def _write_durable(
     path: str, write: Callable[[_HashingWriter], object], created: list[str]
 ) -> _HashingWriter:
-    """Create ``path`` (never an existing one), fill it with ``write`` and fsync it.
+    """Create ``path`` (never an existing one), fill it with ``write`` and make it durable.
 
     Appends ``path`` to ``created`` once it exists; returns the hashing writer.
     """
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        raise CheckpointError(
-            f"temp file {path} exists: the same checkpoint is being written concurrently, "
-            "or a crashed writer left it (see clean_temp_files)"
-        ) from None
-    with os.fdopen(fd, "wb") as f:
+    with contextlib.ExitStack() as stack:
+        try:
+            f = stack.enter_context(storage_for(path).create(path))
+        except FileExistsError as e:
+            raise refusal(e) from None
         created.append(path)
         writer = _HashingWriter(f)
         try:
@@ -190,28 +198,17 @@ def _write_durable(
             if writer.error is None:
                 raise
             raise writer.error from None  # the real cause, not torch's rewording of it
-        f.flush()
-        os.fsync(f.fileno())
     return writer
 
 
 def _publish(tmp: str, final: str, created: list[str]) -> None:
-    """Give the file ``tmp`` the name ``final``, never replacing an existing ``final``.
-
-    Appends ``final`` to ``created``, removes the name ``tmp`` and fsyncs the directory.
-    """
+    """Give the file ``tmp`` the name ``final``, never replacing an existing ``final``, durably
+    (:meth:`.storage.Storage.publish`). Appends ``final`` to ``created``."""
     try:
-        os.link(tmp, final)
-    except FileExistsError:
-        raise CheckpointError(f"refusing to overwrite existing {final}") from None
-    except OSError:  # no hard links on this filesystem: check, then rename
-        if os.path.lexists(final):
-            raise CheckpointError(f"refusing to overwrite existing {final}") from None
-        os.rename(tmp, final)
+        storage_for(final).publish(tmp, final)
+    except FileExistsError as e:
+        raise refusal(e, final) from None
     created.append(final)
-    if os.path.lexists(tmp):
-        os.unlink(tmp)
-    fsync_directory(os.path.dirname(final))
 
 
 def _check_arguments(state: Any, meta: Any, step: Any, generation: Any, rank: Any) -> None:
@@ -233,7 +230,7 @@ def _check_sidecar_limits(
     path: str, meta: dict[str, Any], step: int, generation: int, rank: int
 ) -> None:
     """Raise :class:`CheckpointError` if the sidecar would be one that
-    :func:`~.select.list_checkpoints` refuses: nested too deep, or too large (measured on a
+    :func:`~.choose.list_checkpoints` refuses: nested too deep, or too large (measured on a
     draft whose checksum and size are as long as they can be)."""
     name = os.path.basename(path)
     if too_deep(meta, MAX_SIDECAR_DEPTH - 1):  # meta is one level below the sidecar's top
@@ -281,9 +278,10 @@ def write_checkpoint(
     """
     _check_arguments(state, meta, step, generation, rank)
     directory = os.fspath(directory)
+    storage = storage_for(directory)
     name = checkpoint_name(step, generation, rank)
     path = os.path.join(directory, name)
-    if os.path.lexists(path) or os.path.lexists(path + SIDECAR_SUFFIX):
+    if storage.exists(path) or storage.exists(path + SIDECAR_SUFFIX):
         raise CheckpointError(f"refusing to overwrite existing checkpoint {path}")
     try:
         state = _prepare(state, "state", _safe_classes())
@@ -295,8 +293,8 @@ def write_checkpoint(
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"meta for {name} is not JSON-serialisable: {e}") from e
     _check_sidecar_limits(path, meta, step, generation, rank)
-    tmp = os.path.join(directory, f"{TMP_PREFIX}{name}-{os.getpid()}")
-    meta_tmp = os.path.join(directory, f"{TMP_PREFIX}{name}{SIDECAR_SUFFIX}-{os.getpid()}")
+    tmp = temp_name(path)
+    meta_tmp = temp_name(path + SIDECAR_SUFFIX)
     created: list[str] = []  # everything this call created, removed on failure
     fenced = False  # True while ``fence`` runs: its exception is re-raised unchanged
     try:
@@ -328,8 +326,7 @@ def write_checkpoint(
         return info
     except BaseException as e:
         for created_path in reversed(created):  # sidecar first: never a half-removed listing
-            with contextlib.suppress(OSError):  # best effort; the original error matters more
-                os.unlink(created_path)
+            remove_quietly(storage, created_path)  # best effort; the original error matters more
         if isinstance(e, CheckpointError) or not isinstance(e, Exception) or fenced:
             raise
         raise CheckpointError(f"writing checkpoint {path} failed: {type(e).__name__}: {e}") from e
@@ -341,12 +338,17 @@ def clean_temp_files(directory: str | os.PathLike[str], older_than_s: float = 0)
     Returns their sorted paths. Use a generous ``older_than_s`` while another process may write
     there (a writer that loses its temp file fails cleanly).
     """
+    directory = os.fspath(directory)
+    storage = storage_for(directory)
+    try:
+        entries = storage.listdir(directory)
+    except OSError:
+        return []
     removed: list[str] = []
-    pattern = os.path.join(glob.escape(os.fspath(directory)), TMP_PREFIX + "*")
-    for path in sorted(glob.glob(pattern)):
-        with contextlib.suppress(FileNotFoundError):
-            st = os.lstat(path)
-            if stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime >= older_than_s:
-                os.unlink(path)
-                removed.append(path)
+    for entry in sorted(entries, key=lambda e: e.name):
+        path = os.path.join(directory, entry.name)
+        if not entry.name.startswith(TMP_PREFIX) or entry.kind != "file":
+            continue
+        if time.time() - entry.mtime >= older_than_s and storage.remove_file(path):
+            removed.append(path)
     return removed
