@@ -11,7 +11,7 @@ import collections
 import gzip
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,14 @@ from .engine import Decision, replay
 from .explain import explain
 from .loader import BUILTINS, PolicyError, load_policy
 from .schema import Policy
+from .values import caller_choices
 
 
-def register(subparsers: Any) -> None:
-    """Add ``policy check|schema|explain|replay`` to an argparse subparsers object."""
+def register(subparsers: Any, *, destinations: Sequence[str] | None = None) -> None:
+    """Add ``policy check|schema|explain|replay`` to an argparse subparsers object.
+
+    ``destinations``: the names the policies' ``notify.routes`` may use (the sinks of the
+    supervisor whose command this is); None: those of the default routes."""
     p = subparsers.add_parser(
         "policy",
         help="check, explain and replay recovery policies",
@@ -32,7 +36,10 @@ def register(subparsers: Any) -> None:
         + ", ".join(BUILTINS)
         + ").",
     )
-    p.set_defaults(func=lambda args: (p.print_help(sys.stderr), ExitCode.BAD_INPUT)[1])
+    p.set_defaults(
+        func=lambda args: (p.print_help(sys.stderr), ExitCode.BAD_INPUT)[1],
+        destinations=None if destinations is None else tuple(destinations),
+    )
     sub = p.add_subparsers(dest="policy_cmd", metavar="{check,schema,explain,replay}")
     c = sub.add_parser("check", help="validate a policy file (exit 0 ok, 2 with the error)")
     c.add_argument("file", help="a policy YAML file or a built-in name")
@@ -55,9 +62,9 @@ def register(subparsers: Any) -> None:
     r.set_defaults(func=cmd_replay)
 
 
-def _load(name: str) -> Policy | None:
+def _load(args: argparse.Namespace) -> Policy | None:
     try:
-        return load_policy(name)
+        return load_policy(args.file, destinations=_destinations(args))
     except PolicyError as e:
         for issue in e.issues:
             print(issue, file=sys.stderr)
@@ -87,7 +94,7 @@ def _guard(fn: Any) -> Any:
 @_guard
 def cmd_check(args: argparse.Namespace) -> int:
     """Validate a policy: exit 0 and a one-line summary, or 2 and the errors on stderr."""
-    policy = _load(args.file)
+    policy = _load(args)
     if policy is None:
         return ExitCode.BAD_INPUT
     actions = collections.Counter(r.action for r in policy.rules)
@@ -99,9 +106,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def policy_schema() -> dict[str, Any]:
-    """The JSON Schema of policy files, derived from the pydantic models."""
+def _destinations(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """The route names :func:`register` was given (None on a parser it did not build)."""
+    return getattr(args, "destinations", None)
+
+
+def policy_schema(destinations: Sequence[str] | None = None) -> dict[str, Any]:
+    """The JSON Schema of policy files, derived from the pydantic models; ``destinations`` (the
+    names routes may use) replace the default routes' names."""
     schema = Policy.model_json_schema()
+    if destinations is not None:
+        schema = caller_choices(schema, "destination", tuple(destinations))
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": "https://spikeguard.dev/schema/policy-v1.json",
@@ -112,14 +127,14 @@ def policy_schema() -> dict[str, Any]:
 @_guard
 def cmd_schema(args: argparse.Namespace) -> int:
     """Print the JSON Schema."""
-    print(json.dumps(policy_schema(), indent=2, ensure_ascii=False))
+    print(json.dumps(policy_schema(_destinations(args)), indent=2, ensure_ascii=False))
     return ExitCode.OK
 
 
 @_guard
 def cmd_explain(args: argparse.Namespace) -> int:
     """Print the policy in plain words."""
-    policy = _load(args.file)
+    policy = _load(args)
     if policy is None:
         return ExitCode.BAD_INPUT
     print(explain(policy))
@@ -255,7 +270,7 @@ def summarize(policy: Policy, messages: list[dict], decisions: list[Decision]) -
 @_guard
 def cmd_replay(args: argparse.Namespace) -> int:
     """Evaluate a policy over recorded messages and print what it would have decided."""
-    policy = _load(args.file)
+    policy = _load(args)
     if policy is None:
         return ExitCode.BAD_INPUT
     try:

@@ -11,6 +11,7 @@ import dataclasses
 import re
 import types
 import typing
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from spikeguard.workers.contract.secret_scan import Finding, secret_key, secret_value
 
 from .limits import MAX_DEPTH, MAX_FILE_BYTES, int_problem, read_capped, too_large_text
-from .schema import Policy
+from .schema import DESTINATIONS, Policy
 from .values import show, suggest
 
 M = TypeVar("M", bound=BaseModel)
@@ -433,18 +434,20 @@ def load_model_text(
     *,
     overrides: dict[str, Any] | None = None,
     secrets: str | None = None,
+    context: dict[str, Any] | None = None,
 ) -> M:
     """Validate YAML ``text`` against any pydantic ``model`` with this module's safe loader.
 
     ``overrides`` replace top-level fields (command-line flags); errors in them say so instead
     of pointing into the file. ``secrets`` (the kind of file, e.g. ``"job file"``) refuses
-    secret-looking keys and values, naming that kind in the error.
+    secret-looking keys and values, naming that kind in the error. ``context`` is pydantic's
+    validation context (what the caller lets the file name, e.g. :data:`.schema.DESTINATIONS`).
     """
     data, pos = _parse(text, filename, secrets)
     overrides = dict(overrides or {})
     _merge(data, overrides)
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=context)
     except ValidationError as e:
         raise _from_validation(e, data, pos, filename, model, set(overrides)) from None
 
@@ -470,9 +473,15 @@ def load_model_file(
     return load_model_text(model, _read(path), str(path), overrides=overrides, secrets=secrets)
 
 
-def load_policy_text(text: str, filename: str = "<string>") -> Policy:
-    """Parse and validate a policy from YAML text; raises :class:`PolicyError`."""
-    return load_model_text(Policy, text, filename, secrets="policy file")
+def load_policy_text(
+    text: str, filename: str = "<string>", *, destinations: Sequence[str] | None = None
+) -> Policy:
+    """Parse and validate a policy from YAML text; raises :class:`PolicyError`.
+
+    ``destinations``: the names ``notify.routes`` may use (a supervisor's sinks); None: those of
+    the default routes (:data:`.schema.DEFAULT_DESTINATIONS`)."""
+    context = None if destinations is None else {DESTINATIONS: tuple(destinations)}
+    return load_model_text(Policy, text, filename, secrets="policy file", context=context)
 
 
 def _read(path: str | Path, hint: str = "") -> str:
@@ -495,15 +504,17 @@ def builtin_path(name: str) -> Any:
     return resources.files(__package__).joinpath(f"{name}.yaml")
 
 
-def load_policy(source: str | Path) -> Policy:
-    """Load a policy file, or a built-in policy by name (default, conservative, aggressive)."""
+def load_policy(source: str | Path, *, destinations: Sequence[str] | None = None) -> Policy:
+    """Load a policy file, or a built-in policy by name (default, conservative, aggressive);
+    ``destinations`` as in :func:`load_policy_text`."""
     if isinstance(source, str) and source in BUILTINS and not Path(source).exists():
-        ref = builtin_path(source)
-        return load_policy_text(ref.read_text(encoding="utf-8"), f"<builtin {source}>")
-    hint = ""
-    if isinstance(source, str) and "/" not in source and not Path(source).suffix:
-        hint = f"; the built-in policies are {', '.join(BUILTINS)}{suggest(source, BUILTINS)}"
-    return load_policy_text(_read(source, hint), str(source))
+        text, filename = builtin_path(source).read_text(encoding="utf-8"), f"<builtin {source}>"
+    else:
+        hint = ""
+        if isinstance(source, str) and "/" not in source and not Path(source).suffix:
+            hint = f"; the built-in policies are {', '.join(BUILTINS)}{suggest(source, BUILTINS)}"
+        text, filename = _read(source, hint), str(source)
+    return load_policy_text(text, filename, destinations=destinations)
 
 
 __all__ = [

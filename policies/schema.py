@@ -18,6 +18,7 @@ from pydantic import (
     Field,
     Tag,
     WithJsonSchema,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -28,7 +29,7 @@ from .base import _Model
 from .conditions import AllOf, AnyOf, Change, Condition, Crash, Hang, NonFinite, Threshold, Trailing
 from .values import (
     Action,
-    Destination,
+    CallerChoice,
     DurationOf,
     Grade,
     Severity,
@@ -40,7 +41,10 @@ from .values import (
 )
 
 __all__ = [
+    "DEFAULT_DESTINATIONS",
+    "DEFAULT_ROUTES",
     "DEFAULT_SEVERITY",
+    "DESTINATIONS",
     "AllOf",
     "AnyOf",
     "AtLeastRanks",
@@ -213,32 +217,26 @@ class RecoverySettings(_Model):
         return math.prod(self.lr_factor(i) for i in range(attempts))
 
 
-class RecoveryOverrides(_Model):
-    """Per-rule changes to the policy's recovery settings; omitted fields keep the policy's
-    value."""
+def _overrides_of(settings: type[_Model], name: str, doc: str) -> Any:
+    """A model with each field of ``settings`` optional, in the same order, of the same type (an
+    override is validated exactly like the setting it overrides) and None by default: the one
+    definition of a setting is its field in ``settings``."""
+    fields: dict[str, Any] = {
+        field: (
+            info.rebuild_annotation() | None,
+            Field(None, description=f"Override of recovery.{field}."),
+        )
+        for field, info in settings.model_fields.items()
+    }
+    return create_model(name, __base__=_Model, __module__=__name__, __doc__=doc, **fields)
 
-    min_grade: Grade | None = None
-    """Override of recovery.min_grade."""
-    min_steps_back: StepCount | None = None
-    """Override of recovery.min_steps_back."""
-    fallback_on_corrupt: StrictBool | None = None
-    """Override of recovery.fallback_on_corrupt."""
-    lr_factors: LrFactors | None = None
-    """Override of recovery.lr_factors."""
-    reset_optimizer: StrictBool | None = None
-    """Override of recovery.reset_optimizer."""
-    skip_window: StepCount | None = None
-    """Override of recovery.skip_window."""
-    skip_by: SkipBy | None = None
-    """Override of recovery.skip_by."""
-    probation_steps: StepCount | None = None
-    """Override of recovery.probation_steps."""
-    max_attempts: Attempts | None = None
-    """Override of recovery.max_attempts."""
-    max_incidents: Attempts | None = None
-    """Override of recovery.max_incidents."""
-    on_exhausted: OnExhausted | None = None
-    """Override of recovery.on_exhausted."""
+
+RecoveryOverrides = _overrides_of(
+    RecoverySettings,
+    "RecoveryOverrides",
+    "Per-rule changes to the policy's recovery settings; omitted fields keep the policy's\nvalue.",
+)
+"""A rule's ``recovery``: every field of :class:`RecoverySettings`, optional."""
 
 
 # --- rules --------------------------------------------------------------------------------
@@ -298,7 +296,7 @@ class Rule(_Model):
     severity: Severity = None  # type: ignore[assignment]
     """info, warn or page. Omitted: warn for notify and recover, info for checkpoint, page for
     stop."""
-    recovery: RecoveryOverrides | None = None
+    recovery: RecoveryOverrides | None = None  # type: ignore[valid-type]
     """Overrides of the policy's recovery settings for this rule (action: recover only)."""
 
     @model_validator(mode="before")
@@ -359,11 +357,25 @@ def _url(v: Any) -> Any:
 
 
 Url = Annotated[str | None, BeforeValidator(_url)]
+
+DEFAULT_ROUTES: dict[str, tuple[str, ...]] = {
+    "info": ("console",),
+    "warn": ("console", "slack"),
+    "page": ("console", "slack"),
+}
+"""Where each severity goes when a policy does not say: the supervisor's console and Slack."""
+DESTINATIONS = "destinations"
+"""The validation-context key of the names ``notify.routes`` may use: a supervisor passes the
+names of its sinks (``load_policy(..., destinations=names)``); without it, a policy may route to
+the names of the default routes only."""
+DEFAULT_DESTINATIONS = tuple(dict.fromkeys(n for ns in DEFAULT_ROUTES.values() for n in ns))
+"""The names the default routes use: what a policy loaded without a supervisor's names may use."""
+Destination = CallerChoice(DESTINATIONS, DEFAULT_DESTINATIONS, "destination")
 Destinations = Annotated[
-    list[Destination],
+    list[Destination],  # type: ignore[valid-type]
     BeforeValidator(
         lambda v: [v] if isinstance(v, str) else v,
-        json_schema_input_type=Destination | list[Destination],
+        json_schema_input_type=Destination | list[Destination],  # type: ignore[valid-type]
     ),
 ]
 
@@ -385,11 +397,12 @@ class SlackTarget(_Model):
 class Routes(_Model):
     """Where each severity goes."""
 
-    info: Destinations = ["console"]  # noqa: RUF012 (pydantic copies field defaults)
-    """Destinations of info messages: a list of console and/or slack."""
-    warn: Destinations = ["console", "slack"]  # noqa: RUF012 (pydantic copies field defaults)
+    info: Destinations = list(DEFAULT_ROUTES["info"])  # noqa: RUF012 (pydantic copies defaults)
+    """Destinations of info messages: a list of console and/or slack (or another sink the
+    supervisor has)."""
+    warn: Destinations = list(DEFAULT_ROUTES["warn"])  # noqa: RUF012 (pydantic copies defaults)
     """Destinations of warn messages."""
-    page: Destinations = ["console", "slack"]  # noqa: RUF012 (pydantic copies field defaults)
+    page: Destinations = list(DEFAULT_ROUTES["page"])  # noqa: RUF012 (pydantic copies defaults)
     """Destinations of page messages (Slack ones @-mention slack.mention)."""
 
 

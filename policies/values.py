@@ -12,7 +12,13 @@ import math
 import re
 from typing import Annotated, Any, Literal, NoReturn
 
-from pydantic import BeforeValidator, PlainSerializer, PlainValidator, WithJsonSchema
+from pydantic import (
+    BeforeValidator,
+    PlainSerializer,
+    PlainValidator,
+    ValidationInfo,
+    WithJsonSchema,
+)
 from pydantic_core import PydanticCustomError
 from spikeguard.workers.contract.signals import SIGNALS, is_grade
 from spikeguard.workers.contract.signals import format_grade as contract_format_grade
@@ -61,24 +67,63 @@ def one_of(values: tuple[str, ...]) -> str:
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
 
 
+def choose(v: Any, values: tuple[str, ...], what: str) -> str:
+    """``v`` if it is one of ``values``; else a policy error naming the closest one (or all)."""
+    if isinstance(v, str) and v in values:
+        return v
+    if not isinstance(v, str):
+        fail(f"expected a {what} ({one_of(values)}), got {show(v)}")
+    hint = suggest(v, values)
+    fail(f"unknown {what} {show(v)}{hint}" + ("" if hint else f"; expected {one_of(values)}"))
+
+
 def Choice(values: tuple[str, ...], what: str) -> Any:
     """A ``Literal`` of ``values`` whose error names the closest valid value."""
-
-    def check(v: Any) -> Any:
-        if isinstance(v, str) and v in values:
-            return v
-        if not isinstance(v, str):
-            fail(f"expected a {what} ({one_of(values)}), got {show(v)}")
-        hint = suggest(v, values)
-        fail(f"unknown {what} {show(v)}{hint}" + ("" if hint else f"; expected {one_of(values)}"))
-
-    return Annotated[Literal[values], BeforeValidator(check)]  # type: ignore[valid-type]
+    check = BeforeValidator(lambda v: choose(v, values, what))
+    return Annotated[Literal[values], check]  # type: ignore[valid-type]
 
 
-Signal = Choice(SIGNALS, "signal")
+def CallerChoice(key: str, default: tuple[str, ...], what: str) -> Any:
+    """A name out of a set the caller of the validation chooses: the ``key`` entry of pydantic's
+    validation context (``model_validate(data, context={key: names})``), else ``default``. The
+    JSON Schema lists ``default`` under the title ``what`` (see :func:`caller_choices`)."""
+
+    def check(v: Any, info: ValidationInfo) -> str:
+        names = (info.context or {}).get(key)
+        return choose(v, default if names is None else tuple(names), what)
+
+    schema = {"title": what, "type": "string", "enum": list(default)}
+    return Annotated[str, BeforeValidator(check), WithJsonSchema(schema)]
+
+
+def caller_choices(schema: Any, what: str, names: tuple[str, ...]) -> Any:
+    """``schema`` (a JSON Schema) with the names of every :func:`CallerChoice` titled ``what``
+    replaced by ``names``: the schema of the policies a caller with those names accepts."""
+    if isinstance(schema, list):
+        return [caller_choices(s, what, names) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: caller_choices(v, what, names) for k, v in schema.items()}
+    if out.get("title") == what and "enum" in out:
+        out["enum"] = list(names)
+    return out
+
+
+SEVERITIES = ("info", "warn", "page")
+"""The severities of a policy's alerts, mildest first (``notify.routes`` has one key each)."""
+
+_SIGNAL_NAMES: Any = Literal[tuple(SIGNALS)]  # type: ignore[misc]
+Signal = Annotated[
+    _SIGNAL_NAMES,
+    PlainValidator(
+        lambda v: choose(v, tuple(SIGNALS), "signal"), json_schema_input_type=_SIGNAL_NAMES
+    ),
+]
+"""A declared signal's name (``contract.signals``), checked against the declarations when a
+policy is read, not when this module was imported: a signal declared later is one too. The
+``Literal`` (the names declared at import) is what the JSON Schema lists."""
 Action = Choice(("notify", "recover", "checkpoint", "stop"), "action")
-Severity = Choice(("info", "warn", "page"), "severity")
-Destination = Choice(("console", "slack"), "destination")
+Severity = Choice(SEVERITIES, "severity")
 
 
 def _strict_bool(v: Any) -> bool:

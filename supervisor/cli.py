@@ -19,13 +19,14 @@ from spikeguard.workers.contract.exitcodes import ExitCode
 
 from . import rundir
 from .decide.events import Kind
+from .sinks import destinations
 from .sinks.slack import command as slack_command
 
 
 def _submit(args: argparse.Namespace) -> int:
     from spikeguard.policies import PolicyError
 
-    from .job import load_job
+    from .job import load_job, load_job_policy
     from .runner import run_job
 
     overrides: dict[str, Any] = {}
@@ -42,9 +43,7 @@ def _submit(args: argparse.Namespace) -> int:
         overrides["ray"] = ray
     try:
         job = load_job(args.job, overrides)
-        from spikeguard.policies import load_policy
-
-        load_policy(job.policy)  # bad policy: say so before starting anything
+        load_job_policy(job)  # bad policy: say so before starting anything
     except (PolicyError, OSError) as e:
         print(f"spikeguard: {e}", file=sys.stderr)
         return ExitCode.BAD_INPUT
@@ -352,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--no-dashboard", action="store_true", help="no Ray dashboard")
     s.set_defaults(func=_demo)
-    policy_commands.register(sub)
+    policy_commands.register(sub, destinations=destinations())
     slack_command.register(sub)
     return p
 

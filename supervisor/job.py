@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from spikeguard.policies.loader import load_model_file
+from spikeguard.policies.loader import load_model_file, load_policy
 from spikeguard.workers.contract.secret_scan import find_secret
 
 from .redaction import notify_variable
+
+if TYPE_CHECKING:
+    from spikeguard.policies import Policy
 
 
 class _Strict(BaseModel):
@@ -249,3 +252,12 @@ def load_job(path: str | os.PathLike[str], overrides: dict[str, Any] | None = No
     if job.policy.endswith((".yaml", ".yml")) and not Path(job.policy).is_absolute():
         upd["policy"] = str(base / job.policy)
     return job.model_copy(update=upd) if upd else job
+
+
+def load_job_policy(job: JobSpec) -> Policy:
+    """The job's policy, its ``notify.routes`` checked against the sinks this supervisor has
+    registered (a route to a sink it does not have is a FILE:LINE:COL error before anything
+    starts). Raises :class:`spikeguard.policies.PolicyError`."""
+    from .sinks import destinations  # the sinks import the world; a job file alone need not
+
+    return load_policy(job.policy, destinations=destinations())

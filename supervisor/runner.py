@@ -1,9 +1,8 @@
 """Wires a job: Ray (embedded or existing), the worker group, the policy engine,
-the notifiers and the controller. The thin layer under ``spikeguard submit``."""
+the sinks (from their registry) and the controller. The thin layer under ``spikeguard submit``."""
 
 from __future__ import annotations
 
-import math
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -12,104 +11,84 @@ from typing import Any
 from spikeguard.workers import contract
 from spikeguard.workers.checkpoint.retention import RetentionSettings
 from spikeguard.workers.contract.exitcodes import ExitCode
+from spikeguard.workers.contract.logs import logger
 
 from . import rundir
 from .controller import Controller
 from .decide import recovery as rc
 from .decide.events import Kind
-from .job import JobSpec
+from .job import JobSpec, load_job_policy
 from .journal import read_events
 from .launch.group import GroupSpec, WorkerGroup, python_cmd
 from .launch.ray_init import init_ray
 from .observe.status import finished
-from .sinks.console import ConsoleNotifier, LiveView
+from .sinks import SinkSet, build_sinks, destinations
+from .sinks.console import LiveView
+from .sinks.metrics import start_metrics
 from .sinks.rank_output import RankOutput
+from .sinks.registry import Record, Sink
+
+log = logger(__name__)
+
+__all__ = [
+    "attach_sinks",
+    "finished_outcome",
+    "make_notifiers",
+    "release_sinks",
+    "replayable",
+    "retention_settings",
+    "run_job",
+    "start_metrics",
+    "ticks",
+]
 
 
-def routed(notify: Any, destination: str) -> tuple[str, ...]:
-    """The severities a policy's ``notify.routes`` send to ``destination``."""
-    return tuple(s for s in ("info", "warn", "page") if destination in notify.destinations(s))
+SINK_CLOSE_S = 10.0
+"""How long each sink may take to finish at the end (Slack sends its queue)."""
 
 
-def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Any) -> list[Any]:
-    """The console, and Slack when a channel or a webhook is configured (the job file's
-    notify.slack first, then the policy's, then the environment; secrets only from the latter)."""
-    from .sinks.slack import SlackNotifier, SlackSettings
+def make_notifiers(job: JobSpec, policy: Any, run_id: str, journal_fn: Record) -> list[Sink]:
+    """The sinks policies route to, built from the registry: the console, and Slack when a
+    channel or a webhook is configured (the job file's notify.slack first, then the policy's,
+    then the environment; secrets only from the latter)."""
+    return build_sinks(
+        job,
+        policy,
+        run_id=run_id,
+        run_dir=job.resolved_run_dir(),
+        record=journal_fn,
+        names=destinations(),
+    ).sinks
 
-    notify = policy.notify
-    notifiers: list[Any] = [ConsoleNotifier(severities=routed(notify, "console"))]
-    job_slack, pol_slack = job.notify.slack, notify.slack
-    repeat = notify.repeat_interval
-    settings = SlackSettings.from_env(
-        channel=(job_slack.channel if job_slack else None) or pol_slack.channel,
-        mention=(job_slack.mention if job_slack else None) or pol_slack.mention,
-        runbook_url=pol_slack.runbook_url,
-        dashboard_url=pol_slack.dashboard_url,
-        severities=routed(notify, "slack"),
-        repeat_interval_s=math.inf if repeat is None else repeat.value,
+
+def attach_sinks(
+    ctl: Controller, job: JobSpec, policy: Any, events: list[dict[str, Any]], *, live: bool
+) -> SinkSet:
+    """Every sink the registry builds for this run, continued from ``events`` (the journal a
+    dead supervisor left, if any), handed each event ``ctl`` journals and ticked with it (after
+    the live view, when ``live``)."""
+    sinks = build_sinks(
+        job,
+        policy,
+        run_id=job.name,
+        run_dir=Path(ctl.run_dir),
+        record=ctl.journal.record,
+        clock=ctl.journal.mono,  # heartbeat ages on the supervisor's clock
     )
-    if not settings.channel and not settings.webhook_url:
-        return notifiers  # Slack is not wanted
-    if settings.problems():
-        print(
-            "spikeguard: Slack is configured but not usable ("
-            + "; ".join(settings.problems())
-            + "); notifying on the console only"
-        )
-        return notifiers
-    notifiers.append(SlackNotifier(settings, run=run_id, journal=journal_fn))
-    return notifiers
+    if events:  # e.g. Slack threads of open incidents continue where the dead supervisor left them
+        sinks.restore(events)
+    ctl.sinks = list(sinks.sinks)
+    ctl.on_tick = ticks(LiveView() if live else None, sinks.tick)
+    return sinks
 
 
-def start_metrics(job: JobSpec, run_dir: Path) -> Any:
-    """The job's Prometheus exporter, serving; None (said in one line) when the job turns it off,
-    ``prometheus_client`` is not installed or the address cannot be bound: metrics never stop a
-    run. (A restarted run's journal is folded in with the other notifiers' ``restore``, so the
-    counters count the whole run.)"""
-    m = job.metrics
-    if not m.enabled:
-        return None
-    from .observe.exporter import MetricsExporter, missing
-
-    why = missing()
-    if why is not None:
-        print(f"spikeguard: no /metrics: {why}", flush=True)
-        return None
-    exporter = MetricsExporter(run=job.name, max_layers=m.max_layers)
-    try:
-        url = exporter.serve(m.address, m.port)
-    except OSError as e:
-        print(f"spikeguard: no /metrics: cannot listen on {m.address}:{m.port}: {e}", flush=True)
-        return None
-    rundir.write_atomic(run_dir / "metrics.url", url + "\n")
-    print(f"spikeguard: Prometheus metrics at {url}", flush=True)
-    return exporter
-
-
-def also_into(exporter: Any, record: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
-    """``record`` (the journal's), folding each event it journals into ``exporter`` as well:
-    the Slack notifier journals from its own thread (``notify_undelivered``), past the
-    controller's notifiers."""
-
-    def journal(event: dict[str, Any]) -> dict[str, Any]:
-        rec = record(event)
-        exporter.handle(rec)
-        return rec
-
-    return journal
-
-
-def finish_metrics(exporter: Any, ctl: Any, timeout_s: float, *, interrupted: bool) -> None:
-    """Show the run's final state and stop serving. When the run ended, keep serving until
-    Prometheus scraped that state once (at most ``timeout_s``; not at all when nothing ever
-    scraped): the alert rules tell a finished run from a dead supervisor by it. Not after
-    Ctrl-C (a person is at the terminal) nor a preemption (the platform's grace period is
-    short, and a preempted run is not finished: its supervisor is meant to come back)."""
-    if ctl is not None:
-        exporter.tick(ctl)
-        if not interrupted and ctl.state.phase in rc.TERMINAL:
-            exporter.final_scrape(timeout_s)
-    exporter.close()  # (again among the notifiers: a no-op)
+def release_sinks(sinks: SinkSet, ctl: Controller, *, interrupted: bool) -> None:
+    """Show the sinks the run's final state (one last tick), then close them. ``ended`` (the
+    metrics then wait for Prometheus to scrape that state) when the run reached its end, not
+    after Ctrl-C nor a preemption."""
+    sinks.tick(ctl)
+    ended = not interrupted and ctl.state.phase in rc.TERMINAL
+    sinks.close(SINK_CLOSE_S, ended=ended)
 
 
 def ticks(*hooks: Callable[[Any], None] | None) -> Callable[[Any], None]:
@@ -165,45 +144,42 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
     finished one, say so and return its recorded exit code without starting anything.
     """
     import ray
-    from spikeguard.policies import Engine, load_policy
+    from spikeguard.policies import Engine
 
-    policy = load_policy(job.policy)
+    policy = load_job_policy(job)
     run_dir = job.resolved_run_dir()
     try:
         rundir.refuse_links(run_dir)
     except rundir.UnsafePath as e:
-        print(f"spikeguard: {e}", flush=True)
+        log.warning("%s", e)
         return ExitCode.BAD_INPUT
     events = read_events(run_dir)
     if not replayable(events):
-        print(
-            f"spikeguard: {run_dir} holds the journal of an older spikeguard, which a restart "
+        log.warning(
+            f"{run_dir} holds the journal of an older spikeguard, which a restart "
             "cannot replay; it can be read (spikeguard events) but not continued. Use another "
-            "--run-dir or --name for a new run.",
-            flush=True,
+            "--run-dir or --name for a new run."
         )
         return ExitCode.BAD_INPUT
     done = finished_outcome(events) if events else None
     if done is not None:
-        print(
-            f"spikeguard: run {job.name} in {run_dir} already finished: {finished(events)}. "
-            "Nothing to do; its journal is final. Use another --run-dir or --name for a new run.",
-            flush=True,
+        log.info(
+            f"run {job.name} in {run_dir} already finished: {finished(events)}. "
+            "Nothing to do; its journal is final. Use another --run-dir or --name for a new run."
         )
         return done.exit_code if done.exit_code is not None else ExitCode.FAILED
     try:
         lock = rundir.acquire_lock(run_dir)
     except (rundir.LockHeld, rundir.UnsafePath) as e:
-        print(f"spikeguard: {e}", flush=True)
+        log.warning("%s", e)
         return ExitCode.BAD_INPUT
     try:  # private: 0700, the files 0600 (the controller appends to journal and reports)
         rundir.prepare(run_dir)
     except rundir.UnsafePath as e:
         lock.close()
-        print(f"spikeguard: {e}", flush=True)
+        log.warning("%s", e)
         return ExitCode.BAD_INPUT
     t = job.timeouts
-    exporter = start_metrics(job, run_dir)
     started = init_ray(job)
     group = WorkerGroup(
         GroupSpec(
@@ -225,6 +201,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
     if job.sample_every:
         env[contract.ENV_SAMPLE_EVERY] = str(job.sample_every)
     ctl: Controller | None = None
+    sinks: SinkSet | None = None
     interrupted = False
     old_term = signal.getsignal(signal.SIGTERM)
     try:  # the first launch places the gang (a placement failure is a launch failure, retried)
@@ -252,31 +229,13 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
             batch_ids_wait_s=t.batch_ids_s,
             retention_settings=retention_settings(job, policy),
         )
-        if exporter is not None:
-            exporter.clock = ctl.journal.mono  # heartbeat ages on the supervisor's clock
-        ctl.on_tick = ticks(LiveView() if live else None, exporter.tick if exporter else None)
-        journal_fn = ctl.journal.record
-        if exporter is not None:  # what the Slack thread journals (undelivered) is counted too
-            journal_fn = also_into(exporter, ctl.journal.record)
-        notifiers = make_notifiers(job, policy, job.name, journal_fn)
-        if exporter is not None:
-            notifiers.append(exporter)
-        for n in notifiers if events else ():
-            # the Slack threads of open incidents continue where the dead supervisor left them
-            restore = getattr(n, "restore", None)
-            if restore:
-                restore(events)
-        ctl.sinks = notifiers
+        sinks = attach_sinks(ctl, job, policy, events, live=live)
         # SIGTERM is a preemption (pod eviction, spot reclaim, `ray job stop`): an emergency
         # checkpoint, then exit 143; the next `spikeguard submit` resumes
         preempt = ctl.preempt
         signal.signal(signal.SIGTERM, lambda *_: preempt("SIGTERM: the supervisor must go"))
         what = "resuming" if events else "running"
-        print(
-            f"spikeguard: {what} run {job.name} in {run_dir} ({job.workers} ranks, "
-            f"policy {job.policy})",
-            flush=True,
-        )
+        log.info(f"{what} run {job.name} in {run_dir} ({job.workers} ranks, policy {job.policy})")
         return ctl.run(resume_events=events or None)
     except KeyboardInterrupt:
         interrupted = True
@@ -286,13 +245,9 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         return ExitCode.INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, old_term)
-        if exporter is not None:
-            finish_metrics(exporter, ctl, job.metrics.final_scrape_s, interrupted=interrupted)
         if ctl is not None:
-            for n in ctl.sinks:
-                close = getattr(n, "close", None)
-                if close:
-                    close(10.0)
+            if sinks is not None:
+                release_sinks(sinks, ctl, interrupted=interrupted)
             ctl.close()
         group.shutdown()
         if started:

@@ -1,9 +1,10 @@
 """``/metrics`` for Prometheus: the :class:`~.metrics.MetricsFold` served by ``prometheus_client``.
 
-:class:`MetricsExporter` is wired into the supervisor twice: as a notifier (every journaled event
-goes to :meth:`~MetricsExporter.handle`) and as a tick hook (:meth:`~MetricsExporter.tick` reads
-the controller's machine state and collector views). A scrape renders the fold under a lock, so
-the HTTP thread never sees half a tick. It decides nothing and never raises into the controller.
+:class:`MetricsExporter` is one of the supervisor's sinks (``metrics``, registered in
+:mod:`..sinks.metrics`): every journaled event goes to :meth:`~MetricsExporter.handle`, every
+tick to :meth:`~MetricsExporter.tick` (it reads the controller's machine state and collector
+views). A scrape renders the fold under a lock, so the HTTP thread never sees half a tick. It
+decides nothing and never raises into the controller.
 
 ``prometheus_client`` is an optional extra (``pip install 'spikeguard[metrics]'``, also in the
 ``test`` extra; Ray's ``ray[default]`` brings it too); :func:`missing` says why it cannot be
@@ -53,9 +54,11 @@ class MetricsExporter:
         run: str,
         max_layers: int = 64,
         clock: Callable[[], float] = time.monotonic,
+        final_scrape_s: float = 0.0,
     ) -> None:
         """``clock``: the supervisor's monotonic clock (the journal's ``mono``), against which
-        heartbeat ages are measured at scrape time."""
+        heartbeat ages are measured at scrape time. ``final_scrape_s``: how long
+        :meth:`close` waits for the final scrape of a run that ended."""
         from prometheus_client import CollectorRegistry
         from prometheus_client.process_collector import ProcessCollector
 
@@ -66,6 +69,7 @@ class MetricsExporter:
         self.scrapes = 0
         """How many times the families were rendered (each scrape once)."""
         self._final_tick = -1
+        self.final_scrape_s = final_scrape_s
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Adapter(self))
         ProcessCollector(registry=self.registry)  # process_* of the supervisor itself
@@ -127,8 +131,15 @@ class MetricsExporter:
             target = self.scrapes + 1
             return self._scraped.wait_for(lambda: self.scrapes >= target, timeout_s)
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop serving (idempotent; a notifier's ``close``)."""
+    def close(self, timeout_s: float = 5.0, *, ended: bool = False) -> None:
+        """Stop serving (idempotent; a sink's ``close``). When the run ``ended``, first keep
+        serving until Prometheus scraped its final state once (:meth:`final_scrape`, at most
+        ``final_scrape_s``): the alert rules tell a finished run from a dead supervisor by it.
+        Not after Ctrl-C (a person is at the terminal) nor a preemption (the platform's grace
+        period is short, and a preempted run is not finished: its supervisor is meant to come
+        back)."""
+        if ended and self._server is not None:
+            self.final_scrape(self.final_scrape_s)
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

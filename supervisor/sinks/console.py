@@ -22,9 +22,10 @@ from ..decide.events import STORY_KINDS
 from ..observe.status import live_status
 from ..redaction import held_secrets
 from .describe import describe, duration_text
+from .registry import BaseSink, SinkContext, register
 
 
-class ConsoleNotifier:
+class ConsoleNotifier(BaseSink):
     """Prints every story event as it is journaled (alerts only of the ``severities`` the
     policy's ``notify.routes`` send to the console)."""
 
@@ -50,6 +51,12 @@ class ConsoleNotifier:
             return
         line = redact(describe(ev), self.secrets)
         print(f"[spikeguard {ev['mono']:8.1f}s] {line}", file=self.out, flush=True)
+
+
+@register("console")
+def console_sink(ctx: SinkContext) -> ConsoleNotifier:
+    """The story on the supervisor's stdout, alerts of the severities routed to ``console``."""
+    return ConsoleNotifier(severities=ctx.severities)
 
 
 class LiveView:

@@ -33,6 +33,7 @@ from spikeguard.workers.contract.secret_scan import redact
 
 from ...decide.events import Kind
 from ..charts import has_chart_data, render_incident_chart
+from ..registry import BaseSink
 from .client import web_client, webhook_client
 from .render import (
     IncidentView,
@@ -48,7 +49,7 @@ from .render import (
 from .settings import SlackSettings
 
 log = logging.getLogger("spikeguard.slack")
-Journal = Callable[[dict], None]
+Journal = Callable[[dict], Any]
 RUN_OUTCOMES = ("completed", "failed", "stopped", "preempted")
 """How a run ended (or went away resumably): posted whatever the routes say."""
 RECOVERY_KINDS = (
@@ -106,7 +107,7 @@ class _Op:
     force: bool = False
 
 
-class SlackNotifier:
+class SlackNotifier(BaseSink):
     """Posts journal events to Slack from a background thread; see the module docstring."""
 
     def __init__(
@@ -192,7 +193,7 @@ class SlackNotifier:
                 lambda: not self._queue and not self._busy and not self._overflow, timeout_s
             )
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = 10.0, *, ended: bool = False) -> None:
         """Send what is queued within ``timeout_s``; journal the rest as undelivered."""
         with self._cv:
             self._closing = True
