@@ -12,7 +12,8 @@ from slack_sdk.errors import SlackApiError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakeslack import SPEC_PATH, TOKEN, FakeSlack, incident_events, load_spec
-from spikeguard.supervisor.decide.events import INCIDENT_STATE, IncidentState, Kind
+from spikeguard.supervisor.decide.events import Kind
+from spikeguard.supervisor.decide.lifecycle import INCIDENT_STATE, IncidentState
 from spikeguard.supervisor.sinks.charts import has_chart_data, render_incident_chart
 from spikeguard.supervisor.sinks.slack.render import IncidentView, Links, root_message
 

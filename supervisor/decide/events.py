@@ -110,26 +110,6 @@ STORY_KINDS = frozenset(
 """Kinds a person following the run wants to read (the console prints these)."""
 
 
-class IncidentState(str, enum.Enum):
-    """Where an incident stands, as its Slack thread and ``status`` show it."""
-
-    RECOVERING = "RECOVERING"
-    PROBATION = "PROBATION"
-    RESOLVED = "RESOLVED"
-    ESCALATED = "ESCALATED"
-
-
-INCIDENT_STATE: dict[Kind, IncidentState] = {
-    Kind.INCIDENT: IncidentState.RECOVERING,
-    Kind.PROBATION_FAILED: IncidentState.RECOVERING,
-    Kind.PROBATION_START: IncidentState.PROBATION,
-    Kind.PROBATION_PASSED: IncidentState.RESOLVED,
-    Kind.ESCALATED: IncidentState.ESCALATED,
-    Kind.FAILED: IncidentState.ESCALATED,
-}
-"""The incident state an event of this kind leads to (other kinds leave it as it is)."""
-
-
 class Reason(str, enum.Enum):
     """Why the recovery machine wrote an event: the ``code`` beside the prose ``reason``."""
 

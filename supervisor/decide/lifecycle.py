@@ -59,6 +59,10 @@ LIFECYCLE: dict[Kind, Step] = {
     Kind.STOPPED: Step(None, Outcome.STOPPED),
 }
 """Kinds that move an incident (every other kind leaves it as it is)."""
+INCIDENT_STATE: dict[Kind, IncidentState] = {
+    kind: step.state for kind, step in LIFECYCLE.items() if step.state is not None
+}
+"""The incident state an event of this kind leads to (other kinds leave it as it is)."""
 CONCLUDED = frozenset({IncidentState.RESOLVED, IncidentState.ESCALATED})
 """The states that end an incident (its thread's conclusion is broadcast)."""
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from spikeguard.workers.contract.signals import grade_text, is_grade
 
-from ...decide.events import INCIDENT_STATE, IncidentState, Kind
+from ...decide.events import Kind
+from ...decide.lifecycle import CONCLUDED, IncidentState, concludes, leads_to
 from ..describe import describe, duration_text, esc, num, ranks_text
 
 HEADER_MAX, SECTION_MAX, FIELD_MAX, CONTEXT_MAX, TEXT_MAX = 150, 3000, 2000, 2000, 3900
@@ -85,8 +86,6 @@ FIRED_FIELDS = (
     "reason",
 )
 """What the root message shows of the event that opened the incident."""
-CONCLUDED = frozenset({IncidentState.RESOLVED, IncidentState.ESCALATED})
-"""The states that end an incident (its thread's conclusion is broadcast)."""
 
 
 def _rolled_back(e: Mapping[str, Any]) -> str | None:
@@ -108,25 +107,11 @@ DONE: dict[Kind, Callable[[Mapping[str, Any]], str | None]] = {
 """How a recovery step reads in the root message's "Done so far" (a short form of its line)."""
 
 
-def leads_to(kind: Any) -> IncidentState | None:
-    """The incident state an event of ``kind`` leads to (:data:`~...events.INCIDENT_STATE`);
-    None when it leaves the state as it is, or is no kind at all."""
-    try:
-        return INCIDENT_STATE.get(Kind(kind))
-    except ValueError:
-        return None
-
-
-def concludes(kind: Any) -> bool:
-    """True when an event of this kind ends an incident (RESOLVED or ESCALATED)."""
-    return leads_to(kind) in CONCLUDED
-
-
 @dataclass
 class IncidentView:
     """What the root message of one incident thread shows, folded from its journal events.
 
-    The incident's state follows :data:`~...events.INCIDENT_STATE`, the journal's own table of
+    The incident's state follows :data:`~...decide.lifecycle.LIFECYCLE`, the journal's own table of
     where each kind of event leaves an incident; this view only renders the steps.
     """
 
