@@ -82,32 +82,58 @@ class Kind(str, enum.Enum):
         return self.value
 
 
-TERMINAL_KINDS = frozenset({Kind.COMPLETED, Kind.FAILED, Kind.ESCALATED, Kind.STOPPED})
-"""Kinds that end a run (``escalated`` with ``hold`` does not end it: it waits for a human)."""
+class Reader(enum.Flag):
+    """Who reads an event of a kind (:data:`READERS`)."""
 
-STORY_KINDS = frozenset(
-    {
-        Kind.LAUNCH,
-        Kind.INCIDENT,
-        Kind.KILL,
-        Kind.ROLLBACK,
-        Kind.LR_CUT,
-        Kind.OPTIMIZER_RESET,
-        Kind.PROBATION_START,
-        Kind.PROBATION_PASSED,
-        Kind.PROBATION_FAILED,
-        Kind.ESCALATED,
-        Kind.COMPLETED,
-        Kind.FAILED,
-        Kind.STOPPED,
-        Kind.PREEMPTED,
-        Kind.LAUNCH_FAILED,
-        Kind.RESUME,
-        Kind.ALERT,
-        Kind.FORENSICS,
-    }
-)
+    NONE = 0
+    STORY = enum.auto()
+    """A person following the run: the console prints it (and ``spikeguard demo``)."""
+    THREAD = enum.auto()
+    """The incident's Slack thread, when it names an incident (a launch only an open one's)."""
+    RUN_END = enum.auto()
+    """It tells how the run ended or went away: posted whatever the routes say."""
+    TERMINAL = enum.auto()
+    """It ends the run (``escalated`` with ``hold`` does not: it waits for a human)."""
+
+
+_S, _T, _E, _X = Reader.STORY, Reader.THREAD, Reader.RUN_END, Reader.TERMINAL
+READERS: dict[Kind, Reader] = {
+    Kind.LAUNCH: _S | _T,
+    Kind.INCIDENT: _S | _T,
+    Kind.KILL: _S | _T,
+    Kind.ROLLBACK: _S | _T,
+    Kind.LR_CUT: _S | _T,
+    Kind.OPTIMIZER_RESET: _S | _T,
+    Kind.PROBATION_START: _S | _T,
+    Kind.PROBATION_PROGRESS: _T,
+    Kind.PROBATION_PASSED: _S | _T,
+    Kind.PROBATION_FAILED: _S | _T,
+    Kind.ESCALATED: _S | _T | _X,
+    Kind.COMPLETED: _S | _E | _X,
+    Kind.FAILED: _S | _T | _E | _X,
+    Kind.STOPPED: _S | _T | _E | _X,
+    Kind.PREEMPTED: _S | _E,
+    Kind.LAUNCH_FAILED: _S,
+    Kind.RESUME: _S,
+    Kind.ALERT: _S | _T,
+    Kind.FORENSICS: _S | _T,
+}
+"""Who reads each kind; a kind not listed is bookkeeping, read by ``spikeguard events`` only."""
+
+
+def kinds_read_by(reader: Reader) -> frozenset[Kind]:
+    """The kinds ``reader`` reads."""
+    return frozenset(k for k, readers in READERS.items() if reader in readers)
+
+
+TERMINAL_KINDS = kinds_read_by(Reader.TERMINAL)
+"""Kinds that end a run (``escalated`` with ``hold`` does not end it: it waits for a human)."""
+STORY_KINDS = kinds_read_by(Reader.STORY)
 """Kinds a person following the run wants to read (the console prints these)."""
+THREAD_KINDS = kinds_read_by(Reader.THREAD)
+"""Kinds that go into the thread of the incident they name (a launch only into an open one)."""
+RUN_END_KINDS = kinds_read_by(Reader.RUN_END)
+"""How a run ended (or went away resumably)."""
 
 
 class Reason(str, enum.Enum):

@@ -31,7 +31,7 @@ from typing import Any
 from slack_sdk.errors import SlackApiError, SlackRequestError
 from spikeguard.workers.contract.secret_scan import redact
 
-from ...decide.events import Kind
+from ...decide.events import RUN_END_KINDS, THREAD_KINDS
 from ..charts import has_chart_data, render_incident_chart
 from ..registry import BaseSink
 from .client import web_client, webhook_client
@@ -50,25 +50,9 @@ from .settings import SlackSettings
 
 log = logging.getLogger("spikeguard.slack")
 Journal = Callable[[dict], Any]
-RUN_OUTCOMES = ("completed", "failed", "stopped", "preempted")
+RUN_OUTCOMES = RUN_END_KINDS
 """How a run ended (or went away resumably): posted whatever the routes say."""
-RECOVERY_KINDS = (
-    Kind.INCIDENT,
-    Kind.KILL,
-    Kind.ROLLBACK,
-    Kind.LR_CUT,
-    Kind.OPTIMIZER_RESET,
-    Kind.LAUNCH,
-    Kind.PROBATION_START,
-    Kind.PROBATION_PROGRESS,
-    Kind.PROBATION_PASSED,
-    Kind.PROBATION_FAILED,
-    Kind.ESCALATED,
-    Kind.FAILED,
-    Kind.STOPPED,
-    Kind.ALERT,
-    Kind.FORENSICS,
-)
+RECOVERY_KINDS = THREAD_KINDS
 """Kinds that go into the thread of the incident they name (a launch only into an open one)."""
 TRANSIENT = {"internal_error", "fatal_error", "service_unavailable", "request_timeout"}
 MAX_QUEUE = 2000
