@@ -4,25 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from spikeguard.workers.contract.signals import LAYER_SIGNALS
+from spikeguard.workers.contract.signals import spec_of
 
 from .conditions import AllOf, AnyOf, Change, Crash, Hang, NonFinite, Threshold, Trailing
 from .schema import AtLeastRanks, FractionOfRanks, Policy, RecoverySettings, Rule
 from .values import format_grade
 
-_NAMES = {
-    "grade": "the grade",
-    "erank_ratio": "the effective-rank ratio",
-    "attn_entropy_mean": "the mean attention entropy",
-    "attn_entropy_min": "the min-head attention entropy",
-    "attn_entropy_min_norm": "the min-head attention entropy (normalised to 0..1)",
-    "max_logit": "the max attention logit",
-    "logz_mean": "the mean log Z of the output",
-    "logz_max": "the max log Z of the output",
-    "loss": "the loss",
-    "grad_norm": "the gradient norm",
-    "lr": "the learning rate",
-}
+_OVER_LAYERS = {"min": "lowest over", "max": "highest over", "mean": "mean over", "last": "last of"}
+"""A per-layer signal's aggregation (``SignalSpec.aggregate``) in words."""
 
 
 def _value(signal: str, v: float) -> str:
@@ -30,12 +19,13 @@ def _value(signal: str, v: float) -> str:
 
 
 def _subject(signal: str, layers: list[str] | None) -> str:
-    name = _NAMES[signal]
-    if signal not in LAYER_SIGNALS:
+    """The signal as its declaration names it, and which of its layers the rule reads."""
+    spec = spec_of(signal)
+    name = spec.display
+    if not spec.per_layer:
         return name
     if layers is None:
-        agg = "highest" if signal == "max_logit" or signal.startswith("logz") else "lowest"
-        return f"{name} ({agg} over the rank's layers)"
+        return f"{name} ({_OVER_LAYERS[spec.aggregate]} the rank's layers)"
     if layers == ["*"]:
         return f"{name} of any layer"
     return f"{name} of any layer matching {' or '.join(repr(g) for g in layers)}"

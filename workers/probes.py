@@ -1,4 +1,4 @@
-"""Forward hooks that compute the signals of :mod:`.signals` on sampled steps only.
+"""Forward hooks that compute the declared signals on sampled steps only.
 
 ``Probes(model)`` picks modules by fnmatch globs on ``model.named_modules()``
 names and hooks them. Hooks do nothing until the probes are armed for a step
@@ -10,9 +10,13 @@ results are plain floats, and ``collect()`` hands them over (and clears them)
 as ``{module name: {signal: value}}``. No I/O, no logging: a failing probe is
 recorded in ``errors`` (or raised with ``strict=True``), never in the training loop.
 
-Three kinds of probe, each a list of patterns. A pattern selects the outermost
-matching modules only (a module whose ancestor already matched is skipped), so
-``*blocks.*`` selects ``blocks.3`` but not ``blocks.3.mlp``.
+Three kinds of probe (:data:`PROBE_KINDS`), each a list of patterns. A pattern selects the
+outermost matching modules only (a module whose ancestor already matched is skipped), so
+``*blocks.*`` selects ``blocks.3`` but not ``blocks.3.mlp``. Each kind computes the signals whose
+declaration (:class:`~spikeguard.workers.contract.signals.SignalSpec`, in the torch-free contract)
+names it as their ``probe``, with the math of :mod:`.measure`: a new signal of an existing kind is
+its math there plus one declaration (``tests/test_signal_seam.py`` checks that every kind writes
+exactly its declared signals).
 
 ``residual`` (default ``*blocks.*``, ``*layers.*``, ``h.*``, ``*.h.*``, ``*decoder.layers.*``)
     The block's output (first element of a tuple), flattened to ``rows x d``, at
@@ -62,8 +66,25 @@ import torch
 from torch import nn
 
 from . import measure
+from .contract.signals import specs
 
-__all__ = ["DEFAULT_ATTENTION", "DEFAULT_LM_HEAD", "DEFAULT_RESIDUAL", "Probes", "record_qk"]
+__all__ = [
+    "DEFAULT_ATTENTION",
+    "DEFAULT_LM_HEAD",
+    "DEFAULT_RESIDUAL",
+    "PROBE_KINDS",
+    "Probes",
+    "record_qk",
+]
+
+PROBE_KINDS: tuple[str, ...] = ("residual", "attention", "lm_head")
+"""The kinds of probe a :class:`Probes` hooks (one keyword argument each)."""
+
+
+def declared_signals(kind: str) -> tuple[str, ...]:
+    """The signals the declarations say probe ``kind`` computes (``SignalSpec.probe``)."""
+    return tuple(s.name for s in specs(per_layer=True) if s.probe == kind)
+
 
 DEFAULT_RESIDUAL: tuple[str, ...] = ("*blocks.*", "*layers.*", "h.*", "*.h.*", "*decoder.layers.*")
 DEFAULT_ATTENTION: tuple[str, ...] = (

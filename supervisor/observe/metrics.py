@@ -31,7 +31,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from spikeguard.workers.contract.signals import AGGREGATE, LAYER_SIGNALS
+from spikeguard.workers.contract.signals import LAYER_SIGNALS, aggregate, spec_of, specs
 
 from ..decide import recovery as rc
 from ..decide.lifecycle import outcome_of
@@ -47,21 +47,16 @@ DURATION_BUCKETS = (1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0
 INCIDENT_BUCKETS = (60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
 """Upper bounds (seconds) of the incident-duration histogram (probation takes a while)."""
 
-SIGNAL_METRICS: dict[str, tuple[str, str]] = {
-    "grade": ("grade", "stability grade, 0 (S0, collapsing) to 7 (S7, healthy)"),
-    "erank_ratio": ("erank_ratio", "effective rank of the residual output / min(rows, d, k)"),
-    "attn_entropy_mean": ("attn_entropy_mean_nats", "attention entropy, mean over heads"),
-    "attn_entropy_min": ("attn_entropy_min_nats", "attention entropy of the lowest head"),
-    "attn_entropy_min_norm": (
-        "attn_entropy_min_norm_ratio",
-        "lowest head's attention entropy / log(visible keys)",
-    ),
-    "max_logit": ("max_attn_logit", "largest pre-softmax attention logit"),
-    "logz_mean": ("logz_mean", "log-partition of the LM head's output, mean"),
-    "logz_max": ("logz_max", "log-partition of the LM head's output, max"),
+OVER_LAYERS = {
+    "min": "worst over layers",
+    "max": "highest over layers",
+    "mean": "mean over layers",
+    "last": "of the last layer",
 }
-"""Per-layer signal -> (metric name suffix, what it measures)."""
-assert set(SIGNAL_METRICS) == set(LAYER_SIGNALS), "every layer signal has a metric"
+"""A per-layer signal's aggregation (``SignalSpec.aggregate``), as its ``rank_`` family's help
+says it. The signals, their families and helps are their declarations (``contract.signals``):
+``spikeguard_rank_<metric>`` per rank (a per-step signal, or a per-layer one aggregated) and
+``spikeguard_layer_<metric>`` per layer."""
 
 DROP_REASONS = (
     "oversize",
@@ -119,6 +114,11 @@ class RankSnapshot:
     tokens_total: int = 0
     running: bool = True
     """Neither exited nor done: its heartbeat's age means something."""
+
+    def step_value(self, signal: str) -> Any:
+        """The rank's latest value of a per-step signal: its field of that name (every declared
+        per-step signal has one; ``tests/test_signal_seam.py`` checks it)."""
+        return getattr(self, signal, None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -366,26 +366,24 @@ class MetricsFold:
         ranks = snap.ranks if snap else ()
         per_rank: dict[str, dict[Labels, float]] = {}
         per_layer: dict[str, dict[Labels, float]] = {}
+        steps: dict[Labels, float] = {}
         ages: dict[Labels, float] = {}
         tokens: dict[Labels, float] = {}
         for r in ranks:
             key = (run, str(r.rank))
-            for name, value in (
-                ("step", r.step),
-                ("loss", r.loss),
-                ("lr", r.lr),
-                ("grad_norm", r.grad_norm),
-            ):
-                number = _float(value)
+            step = _float(r.step)
+            if step is not None:
+                steps[key] = step
+            for spec in specs(per_layer=False):
+                number = _float(r.step_value(spec.name))
                 if number is not None:
-                    per_rank.setdefault(name, {})[key] = number
+                    per_rank.setdefault(spec.name, {})[key] = number
             for signal, value in r.summary.items():
-                if signal in SIGNAL_METRICS and _number(value):
-                    per_rank.setdefault(SIGNAL_METRICS[signal][0], {})[key] = float(value)
+                if signal in LAYER_SIGNALS and _number(value):
+                    per_rank.setdefault(signal, {})[key] = float(value)
             for layer, signals in self._layer_values(r.layers).items():
                 for signal, value in signals.items():
-                    series = per_layer.setdefault(SIGNAL_METRICS[signal][0], {})
-                    series[(run, str(r.rank), layer)] = value
+                    per_layer.setdefault(signal, {})[(run, str(r.rank), layer)] = value
             if r.running and snap is not None:
                 since = snap.launched_at if r.last_seen is None else r.last_seen
                 ages[key] = max(0.0, now - since)
@@ -393,19 +391,10 @@ class MetricsFold:
                 tokens[key] = float(self._tokens_base.get(r.rank, 0) + r.tokens_total)
         labels = ("run", "rank")
         out = [
-            _gauge("rank_step", "the rank's latest step", labels, per_rank.get("step", {})),
-            _gauge("rank_loss", "the rank's latest loss", labels, per_rank.get("loss", {})),
-            _gauge(
-                "rank_lr",
-                "the rank's latest learning rate (LR scale applied)",
-                labels,
-                per_rank.get("lr", {}),
-            ),
-            _gauge(
-                "rank_grad_norm",
-                "the rank's latest gradient norm",
-                labels,
-                per_rank.get("grad_norm", {}),
+            _gauge("rank_step", "the rank's latest step", labels, steps),
+            *(
+                _signal(spec.name, "rank_", spec.metric.help, labels, per_rank)
+                for spec in specs(per_layer=False)
             ),
             _gauge(
                 "rank_heartbeat_age_seconds",
@@ -420,20 +409,17 @@ class MetricsFold:
                 tokens,
             ),
         ]
-        for signal, (suffix, what) in SIGNAL_METRICS.items():
-            how = "worst over layers" if AGGREGATE[signal] == "min" else "highest over layers"
-            out.append(
-                _gauge(f"rank_{suffix}", f"{what} ({how})", labels, per_rank.get(suffix, {}))
+        layer_specs = specs(per_layer=True)
+        out += [
+            _signal(
+                s.name, "rank_", f"{s.metric.help} ({OVER_LAYERS[s.aggregate]})", labels, per_rank
             )
-        for suffix, what in SIGNAL_METRICS.values():
-            out.append(
-                _gauge(
-                    f"layer_{suffix}",
-                    f"{what}, per layer",
-                    ("run", "rank", "layer"),
-                    per_layer.get(suffix, {}),
-                )
-            )
+            for s in layer_specs
+        ]
+        out += [
+            _signal(s.name, "layer_", f"{s.metric.help}, per layer", labels + ("layer",), per_layer)
+            for s in layer_specs
+        ]
         return out
 
     def _layer_values(self, layers: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, float]]:
@@ -444,18 +430,14 @@ class MetricsFold:
         for name, signals in layers.items():
             label = self._layers.get(name)
             for signal, value in signals.items():
-                if signal not in SIGNAL_METRICS or not _number(value):
+                if signal not in LAYER_SIGNALS or not _number(value):
                     continue
                 if label is not None:
                     out.setdefault(label, {})[signal] = float(value)
                 else:
                     other.setdefault(signal, []).append(float(value))
         for signal, values in other.items():
-            if any(math.isnan(v) for v in values):
-                worst = math.nan
-            else:
-                worst = max(values) if AGGREGATE[signal] == "max" else min(values)
-            out.setdefault(OTHER_LAYERS, {})[signal] = worst
+            out.setdefault(OTHER_LAYERS, {})[signal] = aggregate(signal, values)
         return out
 
     def _dropped(self) -> Family:
@@ -513,6 +495,20 @@ def _histogram(
         hist = Histogram(buckets + ((math.inf, len(vs)),), len(vs), sum(vs))
         series.append((key, hist))
     return Family(PREFIX + name, "histogram", help, labels, histograms=tuple(series))
+
+
+def _signal(
+    signal: str,
+    prefix: str,
+    help: str,
+    labels: Labels,
+    values: Mapping[str, Mapping[Labels, float]],
+) -> Family:
+    """The family of a declared signal (``prefix`` + its metric's name, of its metric's type),
+    with the series ``values`` hold for it."""
+    metric = spec_of(signal).metric
+    series = tuple(sorted(values.get(signal, {}).items()))
+    return Family(PREFIX + prefix + metric.name, metric.type, help, labels, series)
 
 
 def _gauge(name: str, help: str, labels: Labels, values: Mapping[Labels, float]) -> Family:

@@ -49,6 +49,16 @@ MAX_LAYER_ROWS = 48
 """A heatmap band shows at most this many layers (the ones that fell lowest)."""
 MAX_IDS_SHOWN = 12
 """Batch-id entries listed per rank of an incident (the file has them all)."""
+HEATMAPS: dict[str, tuple[str, float, float]] = {
+    "grade": ("Grade per layer (S0 red … S7 green)", 0.0, 7.0),
+    "attn_entropy_min_norm": (
+        "Lowest head's attention entropy / log(visible keys), per layer",
+        0.0,
+        1.0,
+    ),
+}
+"""Per-layer signal -> the title and scale of its heatmap: the signals the run data keeps per
+layer (:data:`.rundata.HEATMAP_SIGNALS`, checked against this by ``tests/test_signal_seam.py``)."""
 MARKERS = {
     "incident": ("#d62728", "incident"),
     "rollback": ("#2ca02c", "rollback target"),
@@ -308,15 +318,7 @@ class _Page:
     # -- heatmaps -----------------------------------------------------------------------------
     def heatmaps(self) -> list[str]:
         out = []
-        for signal, title, lo, hi in (
-            ("grade", "Grade per layer (S0 red … S7 green)", 0.0, 7.0),
-            (
-                "attn_entropy_min_norm",
-                "Lowest head's attention entropy / log(visible keys), per layer",
-                0.0,
-                1.0,
-            ),
-        ):
+        for signal, (title, lo, hi) in HEATMAPS.items():
             svg = self._heatmap(signal, title, lo, hi)
             if svg:
                 out.append(svg)

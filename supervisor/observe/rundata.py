@@ -8,8 +8,9 @@ files. A part that is missing or cannot be read is left out and said in ``proble
 malformed line costs that line only.
 
 Per (generation, step), over ranks: the mean loss and grad norm (every heartbeat), and the worst
-of each sampled signal (every report's summary): the lowest grade, rank ratio and entropy, the
-highest logit. Per (generation, step, layer): the lowest grade and normalised min-head entropy.
+of each declared per-layer signal (every report's summary, by where its declaration says trouble
+lies): the lowest grade, rank ratio and entropy, the highest logit and log Z. Per (generation,
+step, layer): the lowest grade and normalised min-head entropy (:data:`HEATMAP_SIGNALS`).
 """
 
 from __future__ import annotations
@@ -22,17 +23,15 @@ from pathlib import Path
 from typing import IO, Any
 
 from spikeguard.workers.checkpoint.choose import list_checkpoints
-from spikeguard.workers.contract.signals import AGGREGATE
+from spikeguard.workers.contract.signals import LAYER_SIGNALS, worse
 
-from ..intake import forensics
 from ..decide import recovery as rc
+from ..intake import forensics
 from ..journal import read_events
 
-WORST = ("erank_ratio", "grade", "attn_entropy_mean", "attn_entropy_min", "attn_entropy_min_norm")
-WORST += ("max_logit",)
-"""The summary signals kept per step (the worst over ranks)."""
-LAYER_SIGNALS = ("grade", "attn_entropy_min_norm")
-"""The per-layer signals the heatmaps show."""
+HEATMAP_SIGNALS = ("grade", "attn_entropy_min_norm")
+"""The per-layer signals kept per layer: the ones the report's heatmaps show (every declared
+per-layer signal is kept per step, the worst over ranks)."""
 
 
 @dataclasses.dataclass
@@ -184,7 +183,7 @@ def _fold(msg: dict[str, Any], gens: dict[int, Generation], layers: dict[str, No
     summary = msg.get("summary")
     if isinstance(summary, dict):
         worst = g.signals.setdefault(step, {})
-        for name in WORST:
+        for name in LAYER_SIGNALS:
             _keep_worst(worst, name, summary.get(name))
     per_layer = msg.get("layers")
     if isinstance(per_layer, dict):
@@ -192,7 +191,7 @@ def _fold(msg: dict[str, Any], gens: dict[int, Generation], layers: dict[str, No
         for layer, signals in per_layer.items():
             if not isinstance(signals, dict):
                 continue
-            shown = {s: signals[s] for s in LAYER_SIGNALS if s in signals}
+            shown = {s: signals[s] for s in HEATMAP_SIGNALS if s in signals}
             if not shown:
                 continue
             layers.setdefault(str(layer))
@@ -202,16 +201,12 @@ def _fold(msg: dict[str, Any], gens: dict[int, Generation], layers: dict[str, No
 
 
 def _keep_worst(into: dict[str, float], name: str, value: Any) -> None:
-    """Keep the worse of ``into[name]`` and ``value`` (by the signal's aggregation; NaN is the
-    worst of all)."""
+    """Keep the worse of ``into[name]`` and ``value`` (by where the signal's declaration says
+    trouble lies; NaN is the worst of all)."""
     if not _num(value):
         return
-    v = float(value)
     old = into.get(name)
-    if old is None or math.isnan(v):
-        into[name] = v
-    elif not math.isnan(old):
-        into[name] = max(old, v) if AGGREGATE.get(name) == "max" else min(old, v)
+    into[name] = float(value) if old is None else worse(name, old, float(value))
 
 
 def _finish(g: Generation) -> None:

@@ -4,7 +4,8 @@ head node without torch.
 
 * :mod:`.env`        the environment variables the launcher sets for each rank
 * :mod:`.messages`   the rank -> supervisor message format (types, fields, version)
-* :mod:`.signals`    signal names, their aggregation over layers, and the stability grades
+* :mod:`.signals`    the signal declarations (:class:`SignalSpec`: name, probe, aggregation over
+                     layers, metric family, display name) and the stability grades
 * :mod:`.plan`       the resume plan the supervisor hands a (re)launched generation
 * :mod:`.exitcodes`  the exit codes of the ``spikeguard`` command
 * :mod:`.secrets`    the one scanner that recognises secrets (policy, job and environment checks)
@@ -33,9 +34,15 @@ from .signals import (
     LAYER_SIGNALS,
     SIGNALS,
     STEP_SIGNALS,
+    MetricFamily,
+    SignalSpec,
+    declare,
+    declared,
     format_grade,
     grade_of,
     parse_grade,
+    spec_of,
+    specs,
     summarize,
 )
 
@@ -60,7 +67,11 @@ __all__ = [
     "STEP_SIGNALS",
     "SUPERVISOR_MESSAGE_TYPES",
     "ExitCode",
+    "MetricFamily",
     "ResumePlan",
+    "SignalSpec",
+    "declare",
+    "declared",
     "env_int",
     "find_secret",
     "format_grade",
@@ -69,5 +80,7 @@ __all__ = [
     "redact",
     "secret_key",
     "secret_value",
+    "spec_of",
+    "specs",
     "summarize",
 ]
