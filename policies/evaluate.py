@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from spikeguard.workers.contract.signals import AGGREGATE, LAYER_SIGNALS
+from spikeguard.workers.contract.signals import LAYER_SIGNALS, aggregate
 
 from .conditions import AllOf, AnyOf, Change, Crash, Hang, NonFinite, Threshold, Trailing
 from .values import format_grade
@@ -71,7 +71,7 @@ class RankMessage:
         if v is not None:
             return v
         values = [x for x in (number(d.get(signal)) for d in self.layers.values()) if x is not None]
-        return (max if AGGREGATE[signal] == "max" else min)(values) if values else None
+        return aggregate(signal, values) if values else None
 
     def source_layer(self, signal: str, layer: str | None) -> str | None:
         """The layer a value came from: the layer itself, or the one that set the summary value."""

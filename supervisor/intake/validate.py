@@ -32,9 +32,11 @@ from spikeguard.workers.contract.messages import (
     MESSAGE_TYPES,
     too_deep,
 )
+from spikeguard.workers.contract.signals import STEP_SIGNALS
 
-METRICS = ("loss", "lr", "grad_norm")
-"""The per-step metrics: a number (NaN and infinities included) or null."""
+METRICS = STEP_SIGNALS
+"""The per-step metrics (the declared step signals): a number (NaN and infinities included)
+or null."""
 
 _REQUIRED_INTS = ("rank", "gen", "step")
 COUNTS = ("tokens", "total_steps")
