@@ -15,10 +15,10 @@ _LAZY = {
     "attach": "session",
     "Session": "session",
     "StaleGenerationError": "session",
-    "attention_stats": "signals",
-    "effective_rank": "signals",
-    "effective_rank_ratio": "signals",
-    "logz_stats": "signals",
+    "attention_stats": "measure",
+    "effective_rank": "measure",
+    "effective_rank_ratio": "measure",
+    "logz_stats": "measure",
 }
 
 __all__ = [

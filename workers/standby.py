@@ -17,11 +17,13 @@ model) until the script first needs to know where to start: ``resume()``, or the
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Any
 
 from .contract import ResumePlan
+from .contract.logs import logger
+
+log = logger(__name__)
 
 EXIT_FENCED = 75
 """Exit code of a standby whose generation was passed over (FENCE names a later one)."""
@@ -91,5 +93,6 @@ def wait_for_release(
 
 
 def _leave(code: int, why: str) -> None:
-    print(f"spikeguard: {why} (exit {code})", file=sys.stderr, flush=True)
+    """Say why and end the process at once (a standby has nothing to clean up)."""
+    log.warning(f"{why} (exit {code})")
     os._exit(code)

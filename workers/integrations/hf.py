@@ -50,9 +50,12 @@ from ..checkpoint import commit as _commit
 from ..checkpoint import trainer_commit
 from ..checkpoint.format import CheckpointError
 from ..contract.env import ENV_CKPT_DIR
+from ..contract.logs import logger
 from ..session import Session, StaleGenerationError, attach
 
 __all__ = ["SpikeguardCallback"]
+
+log = logger(__name__)
 
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -101,8 +104,7 @@ class SpikeguardCallback(TrainerCallback):
         Trainer (with this callback) first. Raises
         :class:`~spikeguard.workers.checkpoint.CheckpointError` when the directory does not match
         the plan (the rank exits; the supervisor falls back to an older checkpoint)."""
-        sg = self._sg()
-        plan = sg.launch_plan()
+        plan = self._sg().framework.launch_plan()
         self._resume_dir = None
         if plan is None or not plan.checkpoint:
             return None
@@ -158,17 +160,17 @@ class SpikeguardCallback(TrainerCallback):
         optimizer: Any = None,
         **kwargs: Any,
     ) -> None:
-        sg = self._sg()
-        plan = sg.launch_plan()
+        api = self._sg().framework
+        plan = api.launch_plan()
         start = state.global_step + 1
         inner = _inner(optimizer)
         if plan is None:
-            sg.start_at(start)
+            api.start_at(start)
             return
         reset = bool(plan.reset_optimizer and self._resume_dir and inner is not None)
         if reset and inner is not None:
             inner.state.clear()  # after the Trainer loaded optimizer.pt: the plan's reset wins
-        sg.resumed(start, optimizer=inner, checkpoint=self._resume_dir, optimizer_reset=reset)
+        api.resumed(start, optimizer=inner, checkpoint=self._resume_dir, optimizer_reset=reset)
 
     def on_optimizer_step(
         self,
@@ -237,9 +239,10 @@ class SpikeguardCallback(TrainerCallback):
     ) -> None:
         self._flush()
         sg = self._sg()
+        api = sg.framework
         step = state.global_step
         directory = os.path.join(str(args.output_dir), f"{_commit.TRAINER_PREFIX}{step}")
-        ranks = sg.gather(sg.grade_meta())  # also waits for every rank's part of the save
+        ranks = api.gather(api.grade_meta())  # also waits for every rank's part of the save
         if not state.is_world_process_zero:
             return
         try:
@@ -249,13 +252,13 @@ class SpikeguardCallback(TrainerCallback):
                 generation=sg.generation,
                 world_size=sg.world_size,
                 ranks=ranks,
-                meta=sg.checkpoint_meta(),
-                fence=sg.check_fence,
+                meta=api.checkpoint_meta(),
+                fence=api.check_fence,
             )
         except (CheckpointError, StaleGenerationError, OSError) as e:
-            print(f"spikeguard: {directory} not committed: {e}", flush=True)
+            log.warning(f"{directory} not committed: {e}")
             return
-        sg.report_checkpoint(info)
+        api.report_checkpoint(info)
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

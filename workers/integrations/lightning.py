@@ -146,7 +146,7 @@ class SpikeguardCallback(pl.Callback):
         if self._session is None and os.environ.get(contract.ENV_STANDBY):
             self._attach(model)
         if self._session is not None:
-            plan = self._session.launch_plan()
+            plan = self._session.framework.launch_plan()
         else:
             plan = contract.ResumePlan.from_env()
         if plan is not None and plan.checkpoint:
@@ -184,8 +184,8 @@ class SpikeguardCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Apply the plan to what Lightning restored: optimizer reset, LR scale; say resumed."""
-        session = self.session
-        plan = session.launch_plan()
+        api = self.session.framework
+        plan = api.launch_plan()
         if plan is not None and (plan.skip_ranges or plan.skip_batches_steps):
             warnings.warn(
                 "spikeguard: the plan skips the incident's batches, which the Lightning "
@@ -193,7 +193,7 @@ class SpikeguardCallback(pl.Callback):
                 stacklevel=2,
             )
         loaded = self._io is not None and self._io.loaded_plan_checkpoint()
-        session.resumed_by_framework(trainer.global_step, trainer.optimizers, loaded=loaded)
+        api.resumed_by_framework(trainer.global_step, trainer.optimizers, loaded=loaded)
         self._reported = trainer.global_step - 1
 
     # -- every step ----------------------------------------------------------------------------
@@ -204,7 +204,7 @@ class SpikeguardCallback(pl.Callback):
         ``on_train_batch_end``); optimizers (re)created since get the LR scale too."""
         optimizers = trainer.optimizers
         for optimizer in optimizers:
-            self.session.scale_lr(optimizer)
+            self.session.framework.scale_lr(optimizer)
         self._lr = float(optimizers[0].param_groups[0]["lr"]) if optimizers else None
 
     def on_before_optimizer_step(

@@ -1,0 +1,294 @@
+"""The supervisor's plan for this launch, and applying it: the checkpoint to load, the optimizer
+reset, the LR scale and the batches to skip.
+
+* :class:`LaunchPlan` is the plan (``SPIKEGUARD_RESUME``); a warm standby has none until the
+  supervisor releases it (:mod:`spikeguard.workers.standby`), and waits for that release the
+  first time anything needs the plan;
+* :class:`LrScale` installs the plan's LR scale as optimizer step hooks, so that it survives any
+  LR schedule;
+* :class:`BatchSkips` says whether a batch is one the plan skips (by step, or by its ids);
+* :class:`Resume` applies the plan: loads the checkpoint (or lets a framework load it), installs
+  the scale, counts steps from the right one and tells the supervisor (``resumed``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .. import batches, contract
+from .. import checkpoint as ckpt
+from ..contract.logs import logger
+from ..standby import wait_for_release
+from .reports import Reporter
+from .sampling import Sampler
+
+log = logger(__name__)
+
+
+class LaunchPlan:
+    """The plan this process was launched with, or, in a standby, the one its release brings."""
+
+    def __init__(
+        self,
+        reporter: Reporter,
+        *,
+        generation: int,
+        rank: int,
+        fence_file: str | None,
+        standby_agent: int | None,
+    ) -> None:
+        self._reporter = reporter
+        self._generation = generation
+        self._rank = rank
+        self._fence_file = fence_file
+        self._agent = standby_agent
+        """The agent of a standby still waiting for its release; None once released (or never
+        a standby)."""
+        self._plan = None if standby_agent is not None else contract.ResumePlan.from_env()
+        self.waited_s: float | None = None
+        """How long a standby waited for its release (None: no standby)."""
+
+    @property
+    def current(self) -> contract.ResumePlan | None:
+        """The plan as known now, without waiting (None in a standby not yet released)."""
+        return self._plan
+
+    def get(self) -> contract.ResumePlan | None:
+        """The plan, after the release in a standby (see :meth:`await_release`)."""
+        self.await_release()
+        return self._plan
+
+    def await_release(self) -> None:
+        """In a standby process, wait here until the supervisor releases it (or exit, when it
+        is fenced or orphaned); elsewhere a flag check."""
+        if self._agent is None:
+            return
+        released = wait_for_release(
+            self._reporter,
+            generation=self._generation,
+            rank=self._rank,
+            fence_file=self._fence_file,
+            parent_pid=self._agent,
+        )
+        self._agent = None
+        self._plan = released.plan
+        self.waited_s = released.waited_s
+
+
+class LrScale:
+    """The plan's LR multiplier, applied to optimizer steps by pre/post hooks."""
+
+    def __init__(self) -> None:
+        self.value = 1.0
+        """The multiplier in force (1.0 until a plan says otherwise)."""
+        self._scaled: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        """Optimizers whose steps carry the hooks."""
+        self._handles: list[Any] = []
+
+    def apply(self, optimizer: torch.optim.Optimizer) -> None:
+        """Scale ``optimizer``'s steps: a pre hook multiplies each group's ``lr`` for the step
+        and a post hook puts the schedule's value back after it, so the scale survives any LR
+        schedule. Once per optimizer (a second call does nothing); nothing at scale 1."""
+        if self.value == 1.0 or optimizer in self._scaled:
+            return
+        self._scaled.add(optimizer)
+        saved: list[Any] = []
+
+        def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            saved[:] = [g["lr"] for g in opt.param_groups]
+            for g in opt.param_groups:
+                g["lr"] = g["lr"] * self.value
+
+        def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            for g, lr in zip(opt.param_groups, saved):
+                g["lr"] = lr
+
+        self._handles += [
+            optimizer.register_step_pre_hook(pre),
+            optimizer.register_step_post_hook(post),
+        ]
+
+    def remove(self) -> None:
+        """Remove every hook installed."""
+        for h in self._handles:
+            h.remove()
+
+
+class BatchSkips:
+    """Which batches a plan skips: the steps of its ``skip_ranges``, and the batches recorded
+    in its batch-ids file for the incident's window (loaded once, on first use)."""
+
+    def __init__(self) -> None:
+        self._keys: set[str] | None = None
+        """The batches the plan skips by id; None: not loaded (yet)."""
+        self._by_steps = False
+        """The plan's batch-ids file could not be read: its step window is skipped instead."""
+
+    def reason(self, plan: contract.ResumePlan, step: int, batch_ids: Any) -> str | None:
+        """Why ``plan`` skips ``step`` with ``batch_ids``: ``"steps"``, ``"batch_ids"``, or None
+        (not skipped). Without ``batch_ids``, or when the batch-ids file cannot be read, the
+        incident window's steps are skipped instead."""
+        if any(a <= step <= b for a, b in plan.skip_ranges):
+            return "steps"
+        window = plan.skip_batches_steps
+        if window is None:
+            return None
+        keys = None if batch_ids is None else self._skip_set(plan.skip_batches, window)
+        if keys is None:
+            return "steps" if window[0] <= step <= window[1] else None
+        return "batch_ids" if batches.batch_key(batch_ids) in keys else None
+
+    def _skip_set(self, path: str | None, window: tuple[int, int]) -> set[str] | None:
+        """The batches the plan skips by id, loaded once; None when they cannot be known."""
+        if self._keys is None and not self._by_steps:
+            try:
+                if path is None:
+                    raise ValueError("the plan names no batch-ids file")
+                self._keys = batches.load_skip_set(path, window)
+            except ValueError as e:
+                self._by_steps = True
+                log.warning(f"{e}; skipping steps {window[0]}..{window[1]} instead")
+        return self._keys
+
+
+def restore(
+    plan: contract.ResumePlan,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    writer: Callable[[], ckpt.ShardedWriter],
+) -> int:
+    """Load ``plan``'s checkpoint, if it names one, into ``model`` (and ``optimizer`` unless the
+    plan resets it, and ``scheduler``); the step to start from. A sharded checkpoint is loaded
+    collectively over ``writer()``'s groups; a single file is verified and loaded weights-only."""
+    if not plan.checkpoint:
+        return 0
+    if ckpt.is_sharded_path(plan.checkpoint):
+        info = ckpt.load_sharded(
+            plan.checkpoint,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            reset_optimizer=plan.reset_optimizer,
+            expected_sha256=plan.sha256,
+            writer=writer(),
+        )
+        return info.step + 1
+    state = ckpt.load_checkpoint(plan.checkpoint, expected_sha256=plan.sha256)
+    model.load_state_dict(state["model"])
+    if optimizer is not None and not plan.reset_optimizer and "optimizer" in state:
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and "scheduler" in state:
+        scheduler.load_state_dict(state["scheduler"])
+    fallback = plan.checkpoint_step if plan.checkpoint_step is not None else -1
+    return int(state.get("step", fallback)) + 1
+
+
+class Resume:
+    """Applies the launch's plan to this rank's training (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        launch: LaunchPlan,
+        lr: LrScale,
+        sampler: Sampler,
+        reporter: Reporter,
+        writer: Callable[[], ckpt.ShardedWriter],
+    ) -> None:
+        self._launch = launch
+        self._lr = lr
+        self._sampler = sampler
+        self._reporter = reporter
+        self._writer = writer
+        self._skips = BatchSkips()
+
+    def apply(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any
+    ) -> int:
+        """Load the plan's checkpoint and apply the rest of it; the step to start from (see
+        :meth:`~spikeguard.workers.session.Session.resume`)."""
+        plan = self._launch.get()
+        if plan is None:
+            return 0
+        start = restore(plan, model, optimizer, scheduler, self._writer)
+        self.announce(
+            plan,
+            start,
+            optimizer=optimizer,
+            checkpoint=plan.checkpoint,
+            optimizer_reset=bool(plan.reset_optimizer and optimizer is not None),
+        )
+        return start
+
+    def announce(
+        self,
+        plan: contract.ResumePlan,
+        start: int,
+        *,
+        optimizer: torch.optim.Optimizer | None,
+        checkpoint: str | None,
+        optimizer_reset: bool,
+    ) -> None:
+        """``plan`` was applied: install its LR scale on ``optimizer``, count steps from
+        ``start``, send ``resumed``."""
+        if optimizer is not None:
+            self._lr.value = float(plan.lr_scale)
+            self._lr.apply(optimizer)
+        self._sampler.start_at(start)
+        waited = self._launch.waited_s
+        self._reporter.send(
+            "resumed",
+            start,
+            from_step=start,
+            checkpoint=checkpoint,
+            lr_scale=self._lr.value,
+            optimizer_reset=optimizer_reset,
+            skip_ranges=[list(r) for r in plan.skip_ranges],
+            **({} if waited is None else {"standby_wait_s": waited}),
+        )
+
+    def by_framework(
+        self, start: int, optimizers: Sequence[torch.optim.Optimizer], *, loaded: bool
+    ) -> None:
+        """The rest of the plan after a framework restored its checkpoint itself (see
+        :meth:`.framework.FrameworkApi.resumed_by_framework`)."""
+        plan = self._launch.get()
+        self._sampler.start_at(start)
+        if plan is None:
+            return
+        if plan.checkpoint and not loaded:
+            raise ckpt.CheckpointError(
+                f"the supervisor's plan resumes from {plan.checkpoint}, which the framework did "
+                "not load (pass the integration's checkpoint path to its resume call)"
+            )
+        if plan.reset_optimizer:
+            for optimizer in optimizers:
+                optimizer.state.clear()
+        self._lr.value = float(plan.lr_scale)
+        for optimizer in optimizers:
+            self._lr.apply(optimizer)
+        self.announce(
+            plan,
+            start,
+            optimizer=None,
+            checkpoint=plan.checkpoint,
+            optimizer_reset=bool(plan.reset_optimizer and optimizers),
+        )
+
+    def skip(self, step: int, batch_ids: Any) -> bool:
+        """Whether the plan skips this batch; a skip is reported (``skipped``) and the next
+        step is ``step + 1`` (see :meth:`~spikeguard.workers.session.Session.should_skip`)."""
+        plan = self._launch.get()
+        if plan is None:
+            return False
+        by = self._skips.reason(plan, step, batch_ids)
+        if by is None:
+            return False
+        self._reporter.send("skipped", step, by=by)
+        self._sampler.start_at(step + 1)
+        return True
