@@ -9,7 +9,7 @@ disk. A torn last line (the supervisor died mid-write) is ignored on read. The f
 Every event has ``seq``, ``kind`` (:class:`~.events.Kind`), ``time`` (ISO-8601 UTC), ``mono``
 (seconds on the supervisor's monotonic clock since it started), ``run``, ``incident`` (or null)
 and ``reason``, plus the kind's own fields. The recovery machine's events also have ``code``
-(:class:`~.events.Reason`); the first event of each of its transitions that changed its state
+(:class:`~.events.Code`); the first event of each of its transitions that changed its state
 records the observations that caused it (``obs``) and a fingerprint of the state after it
 (``state_digest``): replaying ``obs`` through the machine rebuilds that state (``fold``).
 

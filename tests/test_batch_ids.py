@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import spikeguard.workers as sgw
 import torch
-from spikeguard.supervisor.intake import forensics
-from spikeguard.supervisor.intake import validate
+from spikeguard.supervisor.intake import forensics, validate
 from spikeguard.supervisor.sinks.describe import describe
 from spikeguard.workers import contract
 from spikeguard.workers.batches import answer_entries, batch_key, load_skip_set

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from spikeguard.supervisor.intake import forensics
 from spikeguard.supervisor.cli import main
 from spikeguard.supervisor.decide import recovery as rc
+from spikeguard.supervisor.intake import forensics
 from spikeguard.supervisor.journal import Journal
 from spikeguard.supervisor.observe.report import render, write_report
 from spikeguard.supervisor.observe.rundata import load_run

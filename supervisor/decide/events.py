@@ -2,7 +2,7 @@
 
 The journal (``RUN_DIR/journal.jsonl``) is an append-only table of events. Each has a ``kind``
 (:class:`Kind`), a prose ``reason`` for humans, and, when the recovery machine wrote it, a
-``code`` (:class:`Reason`) for programs: ``status``, the console, Slack and the metrics read codes,
+``code`` (:class:`Code`) for programs: ``status``, the console, Slack and the metrics read codes,
 never prose. Everything a reader derives from the journal (the phase of an incident thread, the
 story the console prints) is a fold over these events using the tables below, so the recovery
 story is encoded once, in :mod:`.recovery`, and described once, here.
@@ -136,7 +136,7 @@ RUN_END_KINDS = kinds_read_by(Reader.RUN_END)
 """How a run ended (or went away resumably)."""
 
 
-class Reason(str, enum.Enum):
+class Code(str, enum.Enum):
     """Why the recovery machine wrote an event: the ``code`` beside the prose ``reason``."""
 
     # launches
@@ -205,12 +205,12 @@ class Reason(str, enum.Enum):
 
 
 # -- events the controller's upkeep writes (the machine writes the story's) ----------------------
-STANDBY_CODES: dict[str, Reason] = {
-    "started": Reason.STANDBY_STARTED,
-    "ready": Reason.STANDBY_READY,
-    "lost": Reason.STANDBY_LOST,
-    "discarded": Reason.STANDBY_DISCARDED,
-    "disabled": Reason.STANDBY_DISABLED,
+STANDBY_CODES: dict[str, Code] = {
+    "started": Code.STANDBY_STARTED,
+    "ready": Code.STANDBY_READY,
+    "lost": Code.STANDBY_LOST,
+    "discarded": Code.STANDBY_DISCARDED,
+    "disabled": Code.STANDBY_DISABLED,
 }
 """The code of a ``standby`` event, by what happened (``launch.interface.StandbyChange.what``)."""
 

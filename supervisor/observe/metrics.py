@@ -72,7 +72,8 @@ DROP_REASONS = (
 )
 """The ``reason`` label of dropped reports (anything else counts as ``other``)."""
 
-Kind = Literal["gauge", "counter", "histogram"]
+MetricType = Literal["gauge", "counter", "histogram"]
+"""A metric family's Prometheus type."""
 Labels = tuple[str, ...]
 
 
@@ -91,7 +92,7 @@ class Family:
     samples (label values -> value; a histogram's values are :class:`Histogram`)."""
 
     name: str
-    kind: Kind
+    kind: MetricType
     help: str
     labels: Labels
     samples: tuple[tuple[Labels, float], ...] = ()

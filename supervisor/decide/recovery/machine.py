@@ -2,7 +2,7 @@
 
 No Ray, no I/O, no clocks. The controller feeds it one observation at a time and carries out the
 effects it asks for; every transition also returns the journal events that explain it, each with
-a reason code (:class:`~spikeguard.supervisor.decide.events.Reason`) beside the prose. The
+a reason code (:class:`~spikeguard.supervisor.decide.events.Code`) beside the prose. The
 first event of a transition that changed the state also records the observations that caused
 it, so rebuilding the state after a restart is replaying :func:`step` over the journal
 (:func:`fold`): there is no second implementation of the rules.
@@ -51,7 +51,7 @@ from typing import Any
 
 from spikeguard.workers.contract.exitcodes import ExitCode
 
-from ..events import Kind, Reason
+from ..events import Code, Kind
 from . import codec
 from .model import (
     ACTIVE,
@@ -159,7 +159,7 @@ def fold(events: Iterable[dict[str, Any]]) -> State:
     return state
 
 
-def _ev(kind: Kind, code: Reason, reason: str, incident: Incident | None, **fields: Any) -> Event:
+def _ev(kind: Kind, code: Code, reason: str, incident: Incident | None, **fields: Any) -> Event:
     return {
         "kind": kind.value,
         "code": code.value,
@@ -217,9 +217,9 @@ def step1_incident(state: State, obs: Recover) -> Transition:
                 f"this run has had {n} incidents, more than max_incidents "
                 f"{settings.max_incidents}: recovering again would not make it healthy"
             )
-            return _escalate(state, inc, [opened], why, Reason.TOO_MANY_INCIDENTS, settings)
+            return _escalate(state, inc, [opened], why, Code.TOO_MANY_INCIDENTS, settings)
         why = f"recovery budget of {settings.max_attempts} attempts spent"
-        return _escalate(state, inc, [opened], why, Reason.BUDGET_SPENT, settings)
+        return _escalate(state, inc, [opened], why, Code.BUDGET_SPENT, settings)
     return _kill_for(state, inc, obs, [])
 
 
@@ -229,7 +229,7 @@ def _incident_event(inc: Incident, obs: Recover, attempt: int | None) -> Event:
     numbered = {} if attempt is None else {"attempt": attempt}
     return _ev(
         Kind.INCIDENT,
-        Reason.RULE_FIRED,
+        Code.RULE_FIRED,
         obs.reason,
         inc,
         rule=obs.rule,
@@ -262,7 +262,7 @@ def step2_killed(state: State, obs: Killed) -> Transition:
         how += f"; ranks {list(obs.forced)} ignored SIGTERM and were SIGKILLed"
     event = _ev(
         Kind.KILL,
-        Reason.RANKS_KILLED,
+        Code.RANKS_KILLED,
         f"killed {len(obs.ranks)} ranks of generation {state.generation}{how}",
         inc,
         ranks=list(obs.ranks),
@@ -304,19 +304,19 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
     plan = _plan(state, obs, lr_scale=scale, reset_optimizer=s.reset_optimizer, skip=skip)
     inc = _replace(inc, attempts=inc.attempts + 1)
     if obs.path is None:
-        code = Reason.RESTART_FROM_START
+        code = Code.RESTART_FROM_START
         why = (
             f"no checkpoint on this run's lineage at or before step {inc.furthest_step or inc.step}"
             " verifies: a crash or a hang starts over from step 0"
         )
     elif inc.fault:
-        code = Reason.CHECKPOINT_CHOSEN
+        code = Code.CHECKPOINT_CHOSEN
         why = (
             "newest checkpoint that verifies (any grade) at or before step "
             f"{max(inc.step, inc.furthest_step or inc.step)}"
         )
     else:
-        code = Reason.CHECKPOINT_CHOSEN
+        code = Code.CHECKPOINT_CHOSEN
         why = f"newest checkpoint graded S{obs.grade} >= S{s.min_grade} before step {inc.step}"
     events: list[Event] = [
         _ev(
@@ -335,7 +335,7 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
         ),
         _ev(
             Kind.LR_CUT,
-            Reason.LR_CUT,
+            Code.LR_CUT,
             f"LR x{factor:g} on attempt {inc.attempts} (scale now {scale:.4g})",
             inc,
             factor=factor,
@@ -346,7 +346,7 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
         events.append(
             _ev(
                 Kind.OPTIMIZER_RESET,
-                Reason.OPTIMIZER_RESET,
+                Code.OPTIMIZER_RESET,
                 "optimizer moments may carry the instability",
                 inc,
             )
@@ -394,13 +394,13 @@ def _no_checkpoint(state: State, inc: Incident, obs: CheckpointChosen) -> Transi
     (or hold, ``on_exhausted: hold``)."""
     s = inc.settings
     if obs.corrupt is not None:
-        code = Reason.CORRUPT_CHECKPOINT
+        code = Code.CORRUPT_CHECKPOINT
         why = (
             f"checkpoint {obs.corrupt} failed verification and the policy does not fall back "
             "to older ones (recovery.fallback_on_corrupt: false)"
         )
     else:
-        code = Reason.NO_HEALTHY_CHECKPOINT
+        code = Code.NO_HEALTHY_CHECKPOINT
         why = (
             f"no checkpoint graded >= S{s.min_grade} at least {s.min_steps_back} steps before "
             f"step {inc.step} verifies"
@@ -410,7 +410,7 @@ def _no_checkpoint(state: State, inc: Incident, obs: CheckpointChosen) -> Transi
 
 
 def _none_chosen(
-    kind: Kind, code: Reason, why: str, inc: Incident | None, obs: CheckpointChosen, **fields: Any
+    kind: Kind, code: Code, why: str, inc: Incident | None, obs: CheckpointChosen, **fields: Any
 ) -> Event:
     """The rollback or resume event that found nothing to go back to (what it passed over)."""
     return _ev(
@@ -439,10 +439,10 @@ def step4_launched(state: State, obs: Launched) -> Transition:
 
 
 _LAUNCH_CODES = {
-    "initial": Reason.INITIAL_LAUNCH,
-    "recovery": Reason.RELAUNCH_AFTER_ROLLBACK,
-    "launch_retry": Reason.RELAUNCH_AFTER_LAUNCH_FAILURE,
-    "restart": Reason.RELAUNCH_AFTER_RESTART,
+    "initial": Code.INITIAL_LAUNCH,
+    "recovery": Code.RELAUNCH_AFTER_ROLLBACK,
+    "launch_retry": Code.RELAUNCH_AFTER_LAUNCH_FAILURE,
+    "restart": Code.RELAUNCH_AFTER_RESTART,
 }
 
 
@@ -486,7 +486,7 @@ def _launched(state: State, obs: Launched, cause: RelaunchCause) -> Transition:
                 _ev(Kind.LAUNCH, code, f"relaunched from step {start_at}", inc, **fields),
                 _ev(
                     Kind.PROBATION_START,
-                    Reason.PROBATION_WINDOW,
+                    Code.PROBATION_WINDOW,
                     f"{until - start_at} steps must pass without another incident",
                     inc,
                     from_step=start_at,
@@ -514,7 +514,7 @@ def step5_progress(state: State, obs: Progress) -> Transition:
             return Transition(state)
         event = _ev(
             Kind.PROBATION_PROGRESS,
-            Reason.PROBATION_PROGRESS,
+            Code.PROBATION_PROGRESS,
             f"probation {tenths * 10}% done: step {obs.step} of {start}..{until}",
             state.incident,
             step=obs.step,
@@ -523,11 +523,11 @@ def step5_progress(state: State, obs: Progress) -> Transition:
         )
         return Transition(_replace(state, probation_reported=tenths), events=(event,))
     return _probation_passed(
-        state, obs.step, Reason.WINDOW_PASSED, "no second incident in the probation window"
+        state, obs.step, Code.WINDOW_PASSED, "no second incident in the probation window"
     )
 
 
-def _probation_passed(state: State, at_step: int | None, code: Reason, why: str) -> Transition:
+def _probation_passed(state: State, at_step: int | None, code: Code, why: str) -> Transition:
     ev = _ev(
         Kind.PROBATION_PASSED, code, why, state.incident, step=at_step, lr_scale=state.lr_scale
     )
@@ -547,7 +547,7 @@ def step5_probation_failed(state: State, obs: Recover) -> Transition:
     events = [
         _ev(
             Kind.PROBATION_FAILED,
-            Reason.RECOVER_IN_PROBATION,
+            Code.RECOVER_IN_PROBATION,
             f"{obs.rule}: {obs.reason}",
             inc,
             step=obs.step,
@@ -560,11 +560,11 @@ def step5_probation_failed(state: State, obs: Recover) -> Transition:
             f"{obs.rule} recurred at {at} on consecutive attempts: the fault is deterministic "
             "at this step and another attempt would loop; failing fast"
         )
-        code = Reason.RECURRING_FAULT
+        code = Code.RECURRING_FAULT
         return _escalate(state, inc, events, why, code, inc.settings, fail_fast=True)
     if inc.attempts >= inc.settings.max_attempts:
         why = f"recovery budget of {inc.settings.max_attempts} attempts spent"
-        return _escalate(state, inc, events, why, Reason.BUDGET_SPENT, inc.settings)
+        return _escalate(state, inc, events, why, Code.BUDGET_SPENT, inc.settings)
     inc = _replace(
         inc,
         rule=obs.rule,
@@ -583,7 +583,7 @@ def finished(state: State, obs: Finished) -> Transition:
     events: tuple[Event, ...] = ()
     if state.phase is Phase.PROBATION:
         why = "training finished inside the probation window without a second incident"
-        events = _probation_passed(state, None, Reason.FINISHED_IN_PROBATION, why).events
+        events = _probation_passed(state, None, Code.FINISHED_IN_PROBATION, why).events
     st = _replace(
         state,
         phase=Phase.COMPLETED,
@@ -594,7 +594,7 @@ def finished(state: State, obs: Finished) -> Transition:
     )
     done = _ev(
         Kind.COMPLETED,
-        Reason.ALL_RANKS_FINISHED,
+        Code.ALL_RANKS_FINISHED,
         "all ranks finished",
         None,
         final_loss=obs.final_loss,
@@ -606,7 +606,7 @@ def finished(state: State, obs: Finished) -> Transition:
 def stop(state: State, obs: StopRequested) -> Transition:
     """A person or a policy rule asked to stop: kill the ranks and stop (exit 5)."""
     st = _replace(state, phase=Phase.STOPPED, exit_code=ExitCode.STOPPED)
-    event = _ev(Kind.STOPPED, Reason.STOP_REQUESTED, obs.reason, state.incident)
+    event = _ev(Kind.STOPPED, Code.STOP_REQUESTED, obs.reason, state.incident)
     return Transition(st, (Kill(obs.reason), Shutdown(ExitCode.STOPPED)), (event,))
 
 
@@ -624,7 +624,7 @@ def rank_exited(state: State, obs: RankExited) -> Transition:
         )
         note = _ev(
             Kind.ALERT,
-            Reason.TEARDOWN_EXIT,
+            Code.TEARDOWN_EXIT,
             why,
             None,
             severity="info",
@@ -656,7 +656,7 @@ def rank_exited(state: State, obs: RankExited) -> Transition:
     st = _replace(state, phase=Phase.FAILED, exit_code=ExitCode.FAILED)
     event = _ev(
         Kind.FAILED,
-        Reason.CRASH_WITHOUT_RULE,
+        Code.CRASH_WITHOUT_RULE,
         why,
         state.incident,
         exit_code=ExitCode.FAILED,
@@ -668,7 +668,7 @@ def rank_exited(state: State, obs: RankExited) -> Transition:
 @_on(LIVE, Notify)
 def notify(state: State, obs: Notify) -> Transition:
     """A notify (or checkpoint) rule fired or resolved: an alert for the notifiers."""
-    code = Reason.RULE_RESOLVED if obs.resolved else Reason.RULE_NOTIFY
+    code = Code.RULE_RESOLVED if obs.resolved else Code.RULE_NOTIFY
     event = _ev(Kind.ALERT, code, obs.reason, None, resolved=obs.resolved, **obs.details)
     return Transition(state, events=(event,))
 
@@ -680,7 +680,7 @@ def checkpoint_wanted(state: State, obs: CheckpointWanted) -> Transition:
     n = state.requests_sent + 1
     event = _ev(
         Kind.ALERT,
-        Reason.CHECKPOINT_REQUESTED,
+        Code.CHECKPOINT_REQUESTED,
         obs.reason,
         None,
         resolved=False,
@@ -702,7 +702,7 @@ def preempt(state: State, obs: Preempt) -> Transition:
     n = state.requests_sent + 1
     event = _ev(
         Kind.ALERT,
-        Reason.PREEMPTION,
+        Code.PREEMPTION,
         f"{obs.reason}: asking the ranks for an emergency checkpoint",
         state.incident,
         severity="info",
@@ -730,7 +730,7 @@ def preempt_expired(state: State, obs: GraceExpired) -> Transition:
 
 
 def _preempted(state: State, why: str, saved: CheckpointSaved | None) -> Transition:
-    code = Reason.PREEMPTED_AFTER_CHECKPOINT if saved else Reason.PREEMPTED_WITHOUT_CHECKPOINT
+    code = Code.PREEMPTED_AFTER_CHECKPOINT if saved else Code.PREEMPTED_WITHOUT_CHECKPOINT
     event = _ev(
         Kind.PREEMPTED,
         code,
@@ -774,7 +774,7 @@ def launch_failed(state: State, obs: LaunchFailed) -> Transition:
         events = (
             _ev(
                 Kind.LAUNCH_FAILED,
-                Reason.LAUNCH_RETRIES_SPENT,
+                Code.LAUNCH_RETRIES_SPENT,
                 obs.reason,
                 state.incident,
                 gave_up=True,
@@ -782,7 +782,7 @@ def launch_failed(state: State, obs: LaunchFailed) -> Transition:
             ),
             _ev(
                 Kind.FAILED,
-                Reason.LAUNCH_RETRIES_SPENT,
+                Code.LAUNCH_RETRIES_SPENT,
                 why,
                 state.incident,
                 exit_code=ExitCode.FAILED,
@@ -806,7 +806,7 @@ def launch_failed(state: State, obs: LaunchFailed) -> Transition:
     )
     event = _ev(
         Kind.LAUNCH_FAILED,
-        Reason.LAUNCH_FAILED,
+        Code.LAUNCH_FAILED,
         why,
         state.incident,
         plan=plan.to_dict(),
@@ -924,24 +924,24 @@ def resume(state: State, obs: CheckpointChosen) -> Transition:
                 "supervisor restart: no healthy checkpoint to resume from (this generation "
                 f"resumed from {old.checkpoint}, which no longer verifies)"
             )
-            code = Reason.RESUME_CHECKPOINT_GONE
+            code = Code.RESUME_CHECKPOINT_GONE
             gone = _none_chosen(Kind.RESUME, code, why, inc, obs, resume_to=back)
             return _escalate(state, inc, [gone], why, code, settings)
         plan = _plan(state, skip=_carried(old, after=None))
-        code = Reason.RESUME_FROM_START
+        code = Code.RESUME_FROM_START
         why = (
             "supervisor restart: no checkpoint yet on this run's lineage; starting over from step 0"
         )
     else:
         reset = bool(old is not None and old.reset_optimizer and old.checkpoint == obs.path)
         plan = _plan(state, obs, reset_optimizer=reset, skip=_carried(old, after=obs.step or 0))
-        code = Reason.RESUME_FROM_CHECKPOINT
+        code = Code.RESUME_FROM_CHECKPOINT
         why = (
             "supervisor restart: resuming from the newest healthy checkpoint "
             f"(step {obs.step}, S{obs.grade}) with LR scale {state.lr_scale:.4g}"
         )
         if state.preempted_from is not None:
-            code = Reason.RESUME_AFTER_PREEMPTION
+            code = Code.RESUME_AFTER_PREEMPTION
             why = (
                 "resuming a preempted run from its newest checkpoint "
                 f"(step {obs.step}, S{obs.grade}) with LR scale {state.lr_scale:.4g}"
@@ -976,7 +976,7 @@ def _escalate(
     inc: Incident | None,
     events: list[Event],
     why: str,
-    code: Reason,
+    code: Code,
     settings: Settings,
     *,
     fail_fast: bool = False,
