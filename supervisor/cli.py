@@ -140,7 +140,7 @@ def _report(args: argparse.Namespace) -> int:
 def _events(args: argparse.Namespace) -> int:
     from .journal import read_events, redact_fields
     from .redaction import held_secrets
-    from .sinks.describe import describe
+    from .observe.describe import describe
 
     valid = [k.value for k in Kind]
     unknown = [k for k in args.kind or () if k not in valid]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .decide.events import STORY_KINDS
 from .journal import read_events
-from .sinks.describe import describe
+from .observe.describe import describe
 
 
 def run_demo(

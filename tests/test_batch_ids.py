@@ -14,7 +14,7 @@ import pytest
 import spikeguard.workers as sgw
 import torch
 from spikeguard.supervisor.intake import forensics, validate
-from spikeguard.supervisor.sinks.describe import describe
+from spikeguard.supervisor.observe.describe import describe
 from spikeguard.workers import contract
 from spikeguard.workers.batches import answer_entries, batch_key, load_skip_set
 

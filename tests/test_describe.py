@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fakeslack import incident_events
 from spikeguard.supervisor.decide.events import Kind
-from spikeguard.supervisor.sinks.describe import (
+from spikeguard.supervisor.observe.describe import (
     TEMPLATES,
     describe,
     num,

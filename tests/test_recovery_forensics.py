@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from spikeguard.supervisor.decide import recovery as rc
 from spikeguard.supervisor.decide.recovery import codec
-from spikeguard.supervisor.sinks.describe import describe
+from spikeguard.supervisor.observe.describe import describe
 
 BY_IDS = rc.Settings(skip_window=50, skip_by="batch_ids", max_attempts=2)
 FILE = "/runs/r/incidents/inc-001/batch_ids-1.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from spikeguard.supervisor.sinks.describe import describe
+from spikeguard.supervisor.observe.describe import describe
 from spikeguard.supervisor.sinks.slack.render import IncidentView, Links, step_message
 
 

@@ -342,17 +342,10 @@ class RankAgent:
     ) -> LaunchedRank:
         """Start generation ``generation`` of this rank (``env`` holds its torchrun variables;
         ``pass_env`` names the agent's variables the rank gets although they look secret)."""
+        spec = dict(generation=generation, cmd=cmd, env=env, cwd=cwd, log_path=log_path)
         with self._mutex:
             self._retire_active()
-            self._active = self._new_process(
-                generation=generation,
-                cmd=cmd,
-                env=env,
-                cwd=cwd,
-                log_path=log_path,
-                pass_env=pass_env,
-                standby=False,
-            )
+            self._active = self._new_process(**spec, pass_env=pass_env, standby=False)
             return self._launched(self._active, standby=False)
 
     def start_standby(
@@ -367,17 +360,10 @@ class RankAgent:
     ) -> LaunchedRank:
         """Start a standby process for ``generation`` (replacing any standby there was): it
         runs up to ``resume()`` and waits for :meth:`release`."""
+        spec = dict(generation=generation, cmd=cmd, env=env, cwd=cwd, log_path=log_path)
         with self._mutex:
             self._kill_standby()
-            self._standby = self._new_process(
-                generation=generation,
-                cmd=cmd,
-                env=env,
-                cwd=cwd,
-                log_path=log_path,
-                pass_env=pass_env,
-                standby=True,
-            )
+            self._standby = self._new_process(**spec, pass_env=pass_env, standby=True)
             return self._launched(self._standby, standby=True)
 
     def release(self, *, generation: int, plan_path: str | None) -> LaunchedRank | None:

@@ -152,6 +152,40 @@ class WorkerGroup:
         return int(ray.get(self._agents[0].free_port.remote(), timeout=30))
 
     # -- generations ---------------------------------------------------------------------------
+    def _start_calls(
+        self,
+        method: str,
+        generation: int,
+        cmd: list[str],
+        port: int,
+        env: dict[str, str],
+        plan_path: str | None,
+        *,
+        fence_file: str,
+        ckpt_dir: str,
+    ) -> list[Any]:
+        """One ``agent.<method>`` call per rank (``start`` or ``start_standby``), each with its
+        rank's environment and log file."""
+        envs = self._rank_envs(
+            generation=generation,
+            port=port,
+            env=env,
+            plan_path=plan_path,
+            fence_file=fence_file,
+            ckpt_dir=ckpt_dir,
+        )
+        return [
+            getattr(agent, method).remote(
+                generation=generation,
+                cmd=cmd,
+                env=rank_env,
+                cwd=os.getcwd(),
+                log_path=log,
+                pass_env=self.spec.pass_env,
+            )
+            for agent, (rank_env, log) in zip(self._agents, envs)
+        ]
+
     def _rank_envs(
         self,
         *,
@@ -236,25 +270,9 @@ class WorkerGroup:
                 f"preparing generation {generation} failed: {type(e).__name__}: {e}"[:500]
             ) from e
         self._drain_pending()
-        envs = self._rank_envs(
-            generation=generation,
-            port=port,
-            env=env,
-            plan_path=plan_path,
-            fence_file=fence_file,
-            ckpt_dir=ckpt_dir,
+        calls = self._start_calls(
+            "start", generation, cmd, port, env, plan_path, fence_file=fence_file, ckpt_dir=ckpt_dir
         )
-        calls = [
-            agent.start.remote(
-                generation=generation,
-                cmd=cmd,
-                env=rank_env,
-                cwd=os.getcwd(),
-                log_path=log,
-                pass_env=self.spec.pass_env,
-            )
-            for agent, (rank_env, log) in zip(self._agents, envs)
-        ]
         try:
             started = ray.get(calls, timeout=60)
         except (RayError, GetTimeoutError) as e:
@@ -324,25 +342,16 @@ class WorkerGroup:
             )
         try:
             port = self._pick_port()
-            envs = self._rank_envs(
-                generation=generation,
-                port=port,
-                env=env,
-                plan_path=None,
+            calls = self._start_calls(
+                "start_standby",
+                generation,
+                cmd,
+                port,
+                env,
+                None,
                 fence_file=fence_file,
                 ckpt_dir=ckpt_dir,
             )
-            calls = [
-                agent.start_standby.remote(
-                    generation=generation,
-                    cmd=cmd,
-                    env=rank_env,
-                    cwd=os.getcwd(),
-                    log_path=log,
-                    pass_env=self.spec.pass_env,
-                )
-                for agent, (rank_env, log) in zip(self._agents, envs)
-            ]
             started: list[LaunchedRank] = ray.get(calls, timeout=60)
         except (RayError, GetTimeoutError, LaunchError) as e:
             self._kill_standby()

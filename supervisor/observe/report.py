@@ -34,7 +34,7 @@ from spikeguard.workers.contract.signals import grade_text
 from ..decide.lifecycle import outcome_of
 from ..intake import forensics as fx
 from ..redaction import held_secrets
-from ..sinks.describe import describe, ranks_text
+from .describe import describe, ranks_text
 from .rundata import Generation, RunData, load_run
 from .svg import PALETTE, Axis, Chart, color_scale, esc, finite
 

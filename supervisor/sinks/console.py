@@ -21,7 +21,7 @@ from spikeguard.workers.contract.signals import grade_text
 from ..decide.events import STORY_KINDS
 from ..observe.status import live_status
 from ..redaction import held_secrets
-from .describe import describe, duration_text
+from ..observe.describe import describe, duration_text
 from .registry import BaseSink, SinkContext, register
 
 

@@ -195,7 +195,7 @@ def started(state: State, obs: Launched) -> Transition:
 
 # ---- 1. RUNNING: a recover decision opens an incident ----------------------------------------
 @_on([Phase.RUNNING], Recover)
-def step1_incident(state: State, obs: Recover) -> Transition:
+def stage1_incident(state: State, obs: Recover) -> Transition:
     """1. A recover decision: open an incident and kill every rank (or escalate at once when the
     run has had too many incidents)."""
     n = state.incidents_seen + 1
@@ -251,7 +251,7 @@ def _kill_for(state: State, inc: Incident, obs: Recover, events: list[Event]) ->
 
 # ---- 2. KILLING: every rank is dead --------------------------------------------------------------
 @_on([Phase.KILLING], Killed)
-def step2_killed(state: State, obs: Killed) -> Transition:
+def stage2_killed(state: State, obs: Killed) -> Transition:
     """2. The generation is dead: choose the checkpoint to roll back to."""
     inc = state.incident
     assert inc is not None, "KILLING always has an incident"
@@ -290,7 +290,7 @@ def _rollback_select(state: State, inc: Incident) -> SelectCheckpoint:
 
 # ---- 3. ROLLING_BACK: a checkpoint was chosen (or none qualifies) -----------------------------
 @_on([Phase.ROLLING_BACK], CheckpointChosen)
-def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
+def stage3_rollback(state: State, obs: CheckpointChosen) -> Transition:
     """3. Roll back to the chosen checkpoint, cut the LR, reset the optimizer and relaunch. With
     no checkpoint: a crash or a hang starts over from step 0; a numerical incident escalates."""
     inc = state.incident
@@ -324,10 +324,7 @@ def step3_rollback(state: State, obs: CheckpointChosen) -> Transition:
             code,
             why,
             inc,
-            checkpoint_step=obs.step,
-            checkpoint_path=obs.path,
-            grade=obs.grade,
-            skipped=_skipped(obs),
+            **_chosen(obs),
             skip_ranges=[list(r) for r in plan.skip_ranges],
             **_skip_batches_fields(plan),
             attempt=inc.attempts,
@@ -425,6 +422,16 @@ def _none_chosen(
     )
 
 
+def _chosen(obs: CheckpointChosen) -> dict[str, Any]:
+    """The fields of a rollback or resume event that say which checkpoint was chosen."""
+    return dict(
+        checkpoint_step=obs.step,
+        checkpoint_path=obs.path,
+        grade=obs.grade,
+        skipped=_skipped(obs),
+    )
+
+
 def _skipped(obs: CheckpointChosen) -> list[dict[str, str]]:
     """The newer checkpoints the choice passed over, and why (as events record them)."""
     return [{"path": p, "reason": r} for p, r in obs.skipped]
@@ -433,7 +440,7 @@ def _skipped(obs: CheckpointChosen) -> list[dict[str, str]]:
 # ---- 4. RELAUNCHING: the new generation is up
 # -----------------------------------------------------
 @_on([Phase.RELAUNCHING], Launched)
-def step4_launched(state: State, obs: Launched) -> Transition:
+def stage4_launched(state: State, obs: Launched) -> Transition:
     """4. The new generation is up: probation after a recovery, else back where it was."""
     return _launched(state, obs, state.relaunch_cause or "recovery")
 
@@ -504,7 +511,7 @@ def _launched(state: State, obs: Launched, cause: RelaunchCause) -> Transition:
 
 # ---- 5. PROBATION: the window passes, or another recover decision fails it ---------------------
 @_on([Phase.PROBATION], Progress)
-def step5_progress(state: State, obs: Progress) -> Transition:
+def stage5_progress(state: State, obs: Progress) -> Transition:
     """5. Training reached the end of the probation window: the incident is resolved (on the
     way, each tenth of the window is reported)."""
     start, until = state.probation_from or 0, state.probation_until or 0
@@ -538,12 +545,12 @@ def _probation_passed(state: State, at_step: int | None, code: Code, why: str) -
 
 
 @_on([Phase.PROBATION], Recover)
-def step5_probation_failed(state: State, obs: Recover) -> Transition:
+def stage5_probation_failed(state: State, obs: Recover) -> Transition:
     """5. Another recover decision inside the window: the attempt failed. Back to 2 while the
     budget lasts; a recurrence of the same rule at the same step fails fast."""
     inc = state.incident
     if inc is None:  # a probation without an incident cannot be failed: a new incident
-        return step1_incident(_replace(state, phase=Phase.RUNNING), obs)
+        return stage1_incident(_replace(state, phase=Phase.RUNNING), obs)
     events = [
         _ev(
             Kind.PROBATION_FAILED,
@@ -951,10 +958,7 @@ def resume(state: State, obs: CheckpointChosen) -> Transition:
         code,
         why,
         inc,
-        checkpoint_step=obs.step,
-        checkpoint_path=obs.path,
-        grade=obs.grade,
-        skipped=_skipped(obs),
+        **_chosen(obs),
         lr_scale=state.lr_scale,
         resume_to=back,
         plan=plan.to_dict(),

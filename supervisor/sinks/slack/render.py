@@ -18,7 +18,7 @@ from spikeguard.workers.contract.signals import grade_text, is_grade
 
 from ...decide.events import Kind
 from ...decide.lifecycle import CONCLUDED, IncidentState, concludes, leads_to
-from ..describe import describe, duration_text, esc, num, ranks_text
+from ...observe.describe import describe, duration_text, esc, num, ranks_text
 
 HEADER_MAX, SECTION_MAX, FIELD_MAX, CONTEXT_MAX, TEXT_MAX = 150, 3000, 2000, 2000, 3900
 EMOJI = {
