@@ -139,8 +139,8 @@ def _report(args: argparse.Namespace) -> int:
 
 def _events(args: argparse.Namespace) -> int:
     from .journal import read_events, redact_fields
-    from .redaction import held_secrets
     from .observe.describe import describe
+    from .redaction import held_secrets
 
     valid = [k.value for k in Kind]
     unknown = [k for k in args.kind or () if k not in valid]

@@ -19,9 +19,9 @@ from spikeguard.workers.contract.secret_scan import redact
 from spikeguard.workers.contract.signals import grade_text
 
 from ..decide.events import STORY_KINDS
+from ..observe.describe import describe, duration_text
 from ..observe.status import live_status
 from ..redaction import held_secrets
-from ..observe.describe import describe, duration_text
 from .registry import BaseSink, SinkContext, register
 
 
