@@ -10,8 +10,10 @@ story is encoded once, in :mod:`.recovery`, and described once, here.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -202,6 +204,22 @@ class Code(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineEvent:
+    """An event the recovery machine emits, before it is worded: what happened (``kind``,
+    ``code``), the values the journal records (``fields``) and the values only its wording needs
+    (``context``: a kill's generation, a ``min_grade``; never journaled). Its prose ``reason``
+    comes from :mod:`..wording`, so a handler decides and the describer words."""
+
+    kind: Kind
+    code: Code
+    incident: str | None
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """What the journaled event records beside kind, code, reason and incident (in this order)."""
+    context: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """What the wording needs that the journaled event does not record."""
 
 
 # -- events the controller's upkeep writes (the machine writes the story's) ----------------------

@@ -2,7 +2,10 @@
 
 No Ray, no I/O, no clocks. The controller feeds it one observation at a time and carries out the
 effects it asks for; every transition also returns the journal events that explain it, each with
-a reason code (:class:`~spikeguard.supervisor.decide.events.Code`) beside the prose. The
+a reason code (:class:`~spikeguard.supervisor.decide.events.Code`) beside the prose. Handlers
+return typed events (:class:`~spikeguard.supervisor.decide.events.MachineEvent`) and never word
+them: :mod:`spikeguard.supervisor.decide.wording` holds every text, and :func:`step` turns the
+events into the journal's dicts. The
 first event of a transition that changed the state also records the observations that caused
 it, so rebuilding the state after a restart is replaying :func:`step` over the journal
 (:func:`fold`): there is no second implementation of the rules.
@@ -46,12 +49,13 @@ Every launch's :class:`ResumePlan` is built by ``_plan``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from spikeguard.workers.contract.exitcodes import ExitCode
 
-from ..events import Code, Kind
+from .. import wording
+from ..events import Code, Kind, MachineEvent
 from . import codec
 from .model import (
     ACTIVE,
@@ -60,7 +64,7 @@ from .model import (
     CheckpointChosen,
     CheckpointSaved,
     CheckpointWanted,
-    Event,
+    Effect,
     Finished,
     GraceExpired,
     Incident,
@@ -95,7 +99,18 @@ from .model import (
 
 _replace = dataclasses.replace
 
-Handler = Callable[[State, Any], Transition]
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What a handler returns: a :class:`Transition` whose events are still typed (worded by
+    :mod:`..wording` when :func:`step` journals them)."""
+
+    state: State
+    effects: tuple[Effect, ...] = ()
+    events: tuple[MachineEvent, ...] = ()
+
+
+Handler = Callable[[State, Any], _Step]
 HANDLERS: dict[tuple[Phase, type], Handler] = {}
 """The machine: which handler answers which observation in which phase (anything else is
 ignored: the observation does not apply in that phase)."""
@@ -124,12 +139,13 @@ def step(state: State, obs: Observation) -> Transition:
     return _journaled(state, obs, handler(state, obs))
 
 
-def _journaled(before: State, obs: Observation, t: Transition) -> Transition:
+def _journaled(before: State, obs: Observation, done: _Step) -> Transition:
     """Attach the causing observations to the transition's first event (when the state changed).
 
     An observation that changed the state without an event (the start, a restart choosing what
     to redo) waits in ``State.unjournaled`` and is recorded with the next event.
     """
+    t = Transition(done.state, done.effects, tuple(wording.to_record(e) for e in done.events))
     changed = t.state != before
     caused = (*before.unjournaled, obs) if changed else before.unjournaled
     if not caused:
@@ -159,19 +175,21 @@ def fold(events: Iterable[dict[str, Any]]) -> State:
     return state
 
 
-def _ev(kind: Kind, code: Code, reason: str, incident: Incident | None, **fields: Any) -> Event:
-    return {
-        "kind": kind.value,
-        "code": code.value,
-        "reason": reason,
-        "incident": incident.id if incident else None,
-        **fields,
-    }
+def _ev(
+    kind: Kind,
+    code: Code,
+    incident: Incident | None,
+    context: Mapping[str, Any] | None = None,
+    /,
+    **fields: Any,
+) -> MachineEvent:
+    """An event of ``incident`` recording ``fields``; ``context``: what only its wording needs."""
+    return MachineEvent(kind, code, incident.id if incident else None, fields, context or {})
 
 
 # ---- start ---------------------------------------------------------------------------------------
 @_on([Phase.STARTING], Start)
-def start(state: State, obs: Start) -> Transition:
+def start(state: State, obs: Start) -> _Step:
     """Launch generation 1."""
     plan = _plan(state)
     st = _replace(
@@ -183,11 +201,11 @@ def start(state: State, obs: Start) -> Transition:
         launch_failures=0,
         launch_retries=obs.launch_retries,
     )
-    return Transition(st, (Launch(plan),))
+    return _Step(st, (Launch(plan),))
 
 
 @_on([Phase.STARTING], Launched)
-def started(state: State, obs: Launched) -> Transition:
+def started(state: State, obs: Launched) -> _Step:
     """Generation 1 is up (a launch made without a :class:`Start`)."""
     plan = state.plan or _plan(state, generation=obs.generation)
     return _launched(_replace(state, plan=plan), obs, "initial")
@@ -195,7 +213,7 @@ def started(state: State, obs: Launched) -> Transition:
 
 # ---- 1. RUNNING: a recover decision opens an incident ----------------------------------------
 @_on([Phase.RUNNING], Recover)
-def stage1_incident(state: State, obs: Recover) -> Transition:
+def stage1_incident(state: State, obs: Recover) -> _Step:
     """1. A recover decision: open an incident and kill every rank (or escalate at once when the
     run has had too many incidents)."""
     n = state.incidents_seen + 1
@@ -213,25 +231,22 @@ def stage1_incident(state: State, obs: Recover) -> Transition:
     if n > settings.max_incidents or settings.max_attempts < 1:
         opened = _incident_event(inc, obs, attempt=None)
         if n > settings.max_incidents:
-            why = (
-                f"this run has had {n} incidents, more than max_incidents "
-                f"{settings.max_incidents}: recovering again would not make it healthy"
-            )
-            return _escalate(state, inc, [opened], why, Code.TOO_MANY_INCIDENTS, settings)
-        why = f"recovery budget of {settings.max_attempts} attempts spent"
-        return _escalate(state, inc, [opened], why, Code.BUDGET_SPENT, settings)
+            too_many = {"incidents": n, "max_incidents": settings.max_incidents}
+            return _escalate(state, inc, [opened], Code.TOO_MANY_INCIDENTS, too_many, settings)
+        spent = {"max_attempts": settings.max_attempts}
+        return _escalate(state, inc, [opened], Code.BUDGET_SPENT, spent, settings)
     return _kill_for(state, inc, obs, [])
 
 
-def _incident_event(inc: Incident, obs: Recover, attempt: int | None) -> Event:
+def _incident_event(inc: Incident, obs: Recover, attempt: int | None) -> MachineEvent:
     """The ``incident`` event: the rule that fired, with what it saw (``attempt`` None: the
     incident escalates before any attempt)."""
     numbered = {} if attempt is None else {"attempt": attempt}
     return _ev(
         Kind.INCIDENT,
         Code.RULE_FIRED,
-        obs.reason,
         inc,
+        {"reason": obs.reason},
         rule=obs.rule,
         step=obs.step,
         **numbered,
@@ -240,31 +255,26 @@ def _incident_event(inc: Incident, obs: Recover, attempt: int | None) -> Event:
     )
 
 
-def _kill_for(state: State, inc: Incident, obs: Recover, events: list[Event]) -> Transition:
+def _kill_for(state: State, inc: Incident, obs: Recover, events: list[MachineEvent]) -> _Step:
     """Journal the incident (attempt ``inc.attempts + 1``) and ask for every rank to be killed."""
     attempt = inc.attempts + 1
     events.append(_incident_event(inc, obs, attempt=attempt))
     st = _replace(state, phase=Phase.KILLING, incident=inc)
-    kill = Kill(f"incident {inc.id}: {obs.rule}", batch_ids_for=(inc.id, attempt))
-    return Transition(st, (kill,), tuple(events))
+    kill = Kill(wording.kill_for_incident(inc.id, obs.rule), batch_ids_for=(inc.id, attempt))
+    return _Step(st, (kill,), tuple(events))
 
 
 # ---- 2. KILLING: every rank is dead --------------------------------------------------------------
 @_on([Phase.KILLING], Killed)
-def stage2_killed(state: State, obs: Killed) -> Transition:
+def stage2_killed(state: State, obs: Killed) -> _Step:
     """2. The generation is dead: choose the checkpoint to roll back to."""
     inc = state.incident
     assert inc is not None, "KILLING always has an incident"
-    how = ""
-    if obs.unreachable:
-        how += f"; ranks {list(obs.unreachable)} unreachable (fenced, reaped by pid when reachable)"
-    if obs.forced:
-        how += f"; ranks {list(obs.forced)} ignored SIGTERM and were SIGKILLed"
     event = _ev(
         Kind.KILL,
         Code.RANKS_KILLED,
-        f"killed {len(obs.ranks)} ranks of generation {state.generation}{how}",
         inc,
+        {"generation": state.generation},
         ranks=list(obs.ranks),
         duration_s=round(obs.duration_s, 3),
         forced=list(obs.forced),
@@ -272,7 +282,7 @@ def stage2_killed(state: State, obs: Killed) -> Transition:
     )
     inc = _replace(inc, batch_ids=obs.batch_ids)
     st = _replace(state, phase=Phase.ROLLING_BACK, incident=inc)
-    return Transition(st, (_rollback_select(state, inc),), (event,))
+    return _Step(st, (_rollback_select(state, inc),), (event,))
 
 
 def _rollback_select(state: State, inc: Incident) -> SelectCheckpoint:
@@ -290,7 +300,7 @@ def _rollback_select(state: State, inc: Incident) -> SelectCheckpoint:
 
 # ---- 3. ROLLING_BACK: a checkpoint was chosen (or none qualifies) -----------------------------
 @_on([Phase.ROLLING_BACK], CheckpointChosen)
-def stage3_rollback(state: State, obs: CheckpointChosen) -> Transition:
+def stage3_rollback(state: State, obs: CheckpointChosen) -> _Step:
     """3. Roll back to the chosen checkpoint, cut the LR, reset the optimizer and relaunch. With
     no checkpoint: a crash or a hang starts over from step 0; a numerical incident escalates."""
     inc = state.incident
@@ -305,25 +315,18 @@ def stage3_rollback(state: State, obs: CheckpointChosen) -> Transition:
     inc = _replace(inc, attempts=inc.attempts + 1)
     if obs.path is None:
         code = Code.RESTART_FROM_START
-        why = (
-            f"no checkpoint on this run's lineage at or before step {inc.furthest_step or inc.step}"
-            " verifies: a crash or a hang starts over from step 0"
-        )
-    elif inc.fault:
-        code = Code.CHECKPOINT_CHOSEN
-        why = (
-            "newest checkpoint that verifies (any grade) at or before step "
-            f"{max(inc.step, inc.furthest_step or inc.step)}"
-        )
+        before: dict[str, Any] = {"step": inc.furthest_step or inc.step}
     else:
         code = Code.CHECKPOINT_CHOSEN
-        why = f"newest checkpoint graded S{obs.grade} >= S{s.min_grade} before step {inc.step}"
-    events: list[Event] = [
+        furthest = max(inc.step, inc.furthest_step or inc.step)
+        before = {"fault": bool(inc.fault), "step": furthest if inc.fault else inc.step}
+        before["min_grade"] = s.min_grade
+    events: list[MachineEvent] = [
         _ev(
             Kind.ROLLBACK,
             code,
-            why,
             inc,
+            before,
             **_chosen(obs),
             skip_ranges=[list(r) for r in plan.skip_ranges],
             **_skip_batches_fields(plan),
@@ -333,21 +336,14 @@ def stage3_rollback(state: State, obs: CheckpointChosen) -> Transition:
         _ev(
             Kind.LR_CUT,
             Code.LR_CUT,
-            f"LR x{factor:g} on attempt {inc.attempts} (scale now {scale:.4g})",
             inc,
+            {"attempt": inc.attempts},
             factor=factor,
             lr_scale=scale,
         ),
     ]
     if s.reset_optimizer:
-        events.append(
-            _ev(
-                Kind.OPTIMIZER_RESET,
-                Code.OPTIMIZER_RESET,
-                "optimizer moments may carry the instability",
-                inc,
-            )
-        )
+        events.append(_ev(Kind.OPTIMIZER_RESET, Code.OPTIMIZER_RESET, inc))
     st = _replace(
         state,
         phase=Phase.RELAUNCHING,
@@ -360,7 +356,7 @@ def stage3_rollback(state: State, obs: CheckpointChosen) -> Transition:
     )
     # a crash loop waits longer each time; a numerical incident relaunches at once
     backoff = inc.attempts if inc.fault else 0
-    return Transition(st, (Launch(plan, backoff_attempt=backoff),), tuple(events))
+    return _Step(st, (Launch(plan, backoff_attempt=backoff),), tuple(events))
 
 
 def _skip_window(inc: Incident, checkpoint_step: int | None) -> _Skip:
@@ -386,35 +382,35 @@ def _skip_batches_fields(plan: ResumePlan) -> dict[str, Any]:
     }
 
 
-def _no_checkpoint(state: State, inc: Incident, obs: CheckpointChosen) -> Transition:
+def _no_checkpoint(state: State, inc: Incident, obs: CheckpointChosen) -> _Step:
     """Nothing to roll back to (or, with ``fallback_on_corrupt`` off, a corrupt one): escalate
     (or hold, ``on_exhausted: hold``)."""
     s = inc.settings
     if obs.corrupt is not None:
         code = Code.CORRUPT_CHECKPOINT
-        why = (
-            f"checkpoint {obs.corrupt} failed verification and the policy does not fall back "
-            "to older ones (recovery.fallback_on_corrupt: false)"
-        )
+        why: dict[str, Any] = {"corrupt": obs.corrupt}
     else:
         code = Code.NO_HEALTHY_CHECKPOINT
-        why = (
-            f"no checkpoint graded >= S{s.min_grade} at least {s.min_steps_back} steps before "
-            f"step {inc.step} verifies"
-        )
+        why = {"min_grade": s.min_grade, "min_steps_back": s.min_steps_back, "step": inc.step}
     rollback = _none_chosen(Kind.ROLLBACK, code, why, inc, obs)
-    return _escalate(state, inc, [rollback], why, code, s)
+    return _escalate(state, inc, [rollback], code, why, s)
 
 
 def _none_chosen(
-    kind: Kind, code: Code, why: str, inc: Incident | None, obs: CheckpointChosen, **fields: Any
-) -> Event:
-    """The rollback or resume event that found nothing to go back to (what it passed over)."""
+    kind: Kind,
+    code: Code,
+    why: Mapping[str, Any],
+    inc: Incident | None,
+    obs: CheckpointChosen,
+    **fields: Any,
+) -> MachineEvent:
+    """The rollback or resume event that found nothing to go back to (what it passed over);
+    ``why``: the values its wording needs (the escalation's)."""
     return _ev(
         kind,
         code,
-        why,
         inc,
+        why,
         checkpoint_step=None,
         checkpoint_path=None,
         skipped=_skipped(obs),
@@ -440,7 +436,7 @@ def _skipped(obs: CheckpointChosen) -> list[dict[str, str]]:
 # ---- 4. RELAUNCHING: the new generation is up
 # -----------------------------------------------------
 @_on([Phase.RELAUNCHING], Launched)
-def stage4_launched(state: State, obs: Launched) -> Transition:
+def stage4_launched(state: State, obs: Launched) -> _Step:
     """4. The new generation is up: probation after a recovery, else back where it was."""
     return _launched(state, obs, state.relaunch_cause or "recovery")
 
@@ -453,7 +449,7 @@ _LAUNCH_CODES = {
 }
 
 
-def _launched(state: State, obs: Launched, cause: RelaunchCause) -> Transition:
+def _launched(state: State, obs: Launched, cause: RelaunchCause) -> _Step:
     plan = state.plan or _plan(state, generation=obs.generation)
     inc = state.incident
     start_at = start_step(plan)
@@ -477,6 +473,7 @@ def _launched(state: State, obs: Launched, cause: RelaunchCause) -> Transition:
         resume_to=None,
     )
     code = _LAUNCH_CODES[cause]
+    at = {"start_step": start_at}
     if cause == "recovery":
         assert inc is not None, "a recovery relaunch always has an incident"
         until = start_at + inc.settings.probation_steps
@@ -487,14 +484,13 @@ def _launched(state: State, obs: Launched, cause: RelaunchCause) -> Transition:
             probation_until=until,
             probation_reported=0,
         )
-        return Transition(
+        return _Step(
             st,
             events=(
-                _ev(Kind.LAUNCH, code, f"relaunched from step {start_at}", inc, **fields),
+                _ev(Kind.LAUNCH, code, inc, at, **fields),
                 _ev(
                     Kind.PROBATION_START,
                     Code.PROBATION_WINDOW,
-                    f"{until - start_at} steps must pass without another incident",
                     inc,
                     from_step=start_at,
                     until_step=until,
@@ -502,50 +498,45 @@ def _launched(state: State, obs: Launched, cause: RelaunchCause) -> Transition:
             ),
         )
     if cause == "initial":
-        launch = _ev(Kind.LAUNCH, code, "initial launch", None, **fields)
-        return Transition(_replace(st, phase=Phase.RUNNING), events=(launch,))
-    why = "after a launch failure" if cause == "launch_retry" else "after a supervisor restart"
-    launch = _ev(Kind.LAUNCH, code, f"relaunched from step {start_at} {why}", inc, **fields)
-    return Transition(_replace(st, phase=state.resume_to or Phase.RUNNING), events=(launch,))
+        launch = _ev(Kind.LAUNCH, code, None, at, **fields)
+        return _Step(_replace(st, phase=Phase.RUNNING), events=(launch,))
+    launch = _ev(Kind.LAUNCH, code, inc, at, **fields)
+    return _Step(_replace(st, phase=state.resume_to or Phase.RUNNING), events=(launch,))
 
 
 # ---- 5. PROBATION: the window passes, or another recover decision fails it ---------------------
 @_on([Phase.PROBATION], Progress)
-def stage5_progress(state: State, obs: Progress) -> Transition:
+def stage5_progress(state: State, obs: Progress) -> _Step:
     """5. Training reached the end of the probation window: the incident is resolved (on the
     way, each tenth of the window is reported)."""
     start, until = state.probation_from or 0, state.probation_until or 0
     if obs.step < until:
         tenths = (obs.step - start) * 10 // max(until - start, 1)
         if tenths <= state.probation_reported:
-            return Transition(state)
+            return _Step(state)
         event = _ev(
             Kind.PROBATION_PROGRESS,
             Code.PROBATION_PROGRESS,
-            f"probation {tenths * 10}% done: step {obs.step} of {start}..{until}",
             state.incident,
+            {"tenths": tenths},
             step=obs.step,
             from_step=start,
             until_step=until,
         )
-        return Transition(_replace(state, probation_reported=tenths), events=(event,))
-    return _probation_passed(
-        state, obs.step, Code.WINDOW_PASSED, "no second incident in the probation window"
-    )
+        return _Step(_replace(state, probation_reported=tenths), events=(event,))
+    return _probation_passed(state, obs.step, Code.WINDOW_PASSED)
 
 
-def _probation_passed(state: State, at_step: int | None, code: Code, why: str) -> Transition:
-    ev = _ev(
-        Kind.PROBATION_PASSED, code, why, state.incident, step=at_step, lr_scale=state.lr_scale
-    )
+def _probation_passed(state: State, at_step: int | None, code: Code) -> _Step:
+    ev = _ev(Kind.PROBATION_PASSED, code, state.incident, step=at_step, lr_scale=state.lr_scale)
     st = _replace(
         state, phase=Phase.RUNNING, incident=None, probation_from=None, probation_until=None
     )
-    return Transition(st, events=(ev,))
+    return _Step(st, events=(ev,))
 
 
 @_on([Phase.PROBATION], Recover)
-def stage5_probation_failed(state: State, obs: Recover) -> Transition:
+def stage5_probation_failed(state: State, obs: Recover) -> _Step:
     """5. Another recover decision inside the window: the attempt failed. Back to 2 while the
     budget lasts; a recurrence of the same rule at the same step fails fast."""
     inc = state.incident
@@ -555,23 +546,19 @@ def stage5_probation_failed(state: State, obs: Recover) -> Transition:
         _ev(
             Kind.PROBATION_FAILED,
             Code.RECOVER_IN_PROBATION,
-            f"{obs.rule}: {obs.reason}",
             inc,
+            {"reason": obs.reason},
             step=obs.step,
             rule=obs.rule,
         )
     ]
     if obs.rule == inc.rule and abs(obs.step - inc.step) <= RECUR_WINDOW_STEPS:
-        at = f"step {obs.step}" if obs.step == inc.step else f"steps {inc.step} and {obs.step}"
-        why = (
-            f"{obs.rule} recurred at {at} on consecutive attempts: the fault is deterministic "
-            "at this step and another attempt would loop; failing fast"
-        )
+        recurred = {"rule": obs.rule, "first_step": inc.step, "step": obs.step}
         code = Code.RECURRING_FAULT
-        return _escalate(state, inc, events, why, code, inc.settings, fail_fast=True)
+        return _escalate(state, inc, events, code, recurred, inc.settings, fail_fast=True)
     if inc.attempts >= inc.settings.max_attempts:
-        why = f"recovery budget of {inc.settings.max_attempts} attempts spent"
-        return _escalate(state, inc, events, why, Code.BUDGET_SPENT, inc.settings)
+        spent = {"max_attempts": inc.settings.max_attempts}
+        return _escalate(state, inc, events, Code.BUDGET_SPENT, spent, inc.settings)
     inc = _replace(
         inc,
         rule=obs.rule,
@@ -585,12 +572,11 @@ def stage5_probation_failed(state: State, obs: Recover) -> Transition:
 
 # ---- the run ends --------------------------------------------------------------------------------
 @_on((*ACTIVE, Phase.PREEMPTING), Finished)
-def finished(state: State, obs: Finished) -> Transition:
+def finished(state: State, obs: Finished) -> _Step:
     """Every rank finished: the run is complete (a probation in progress passes)."""
-    events: tuple[Event, ...] = ()
+    events: tuple[MachineEvent, ...] = ()
     if state.phase is Phase.PROBATION:
-        why = "training finished inside the probation window without a second incident"
-        events = _probation_passed(state, None, Code.FINISHED_IN_PROBATION, why).events
+        events = _probation_passed(state, None, Code.FINISHED_IN_PROBATION).events
     st = _replace(
         state,
         phase=Phase.COMPLETED,
@@ -599,63 +585,49 @@ def finished(state: State, obs: Finished) -> Transition:
         probation_from=None,
         probation_until=None,
     )
-    done = _ev(
-        Kind.COMPLETED,
-        Code.ALL_RANKS_FINISHED,
-        "all ranks finished",
-        None,
-        final_loss=obs.final_loss,
-    )
-    return Transition(st, (Shutdown(ExitCode.COMPLETED),), (*events, done))
+    done = _ev(Kind.COMPLETED, Code.ALL_RANKS_FINISHED, None, final_loss=obs.final_loss)
+    return _Step(st, (Shutdown(ExitCode.COMPLETED),), (*events, done))
 
 
 @_on(LIVE, StopRequested)
-def stop(state: State, obs: StopRequested) -> Transition:
+def stop(state: State, obs: StopRequested) -> _Step:
     """A person or a policy rule asked to stop: kill the ranks and stop (exit 5)."""
     st = _replace(state, phase=Phase.STOPPED, exit_code=ExitCode.STOPPED)
-    event = _ev(Kind.STOPPED, Code.STOP_REQUESTED, obs.reason, state.incident)
-    return Transition(st, (Kill(obs.reason), Shutdown(ExitCode.STOPPED)), (event,))
+    event = _ev(Kind.STOPPED, Code.STOP_REQUESTED, state.incident, {"reason": obs.reason})
+    return _Step(st, (Kill(wording.kill_reason(event)), Shutdown(ExitCode.STOPPED)), (event,))
 
 
 @_on(ACTIVE, RankExited)
-def rank_exited(state: State, obs: RankExited) -> Transition:
+def rank_exited(state: State, obs: RankExited) -> _Step:
     """A rank's process ended (after the policy engine saw it): before its first message that
     is a launch failure; non-zero with no rule recovering it, the job failed; a crash in teardown
     after ``done`` is noted and counted as finished."""
     if obs.generation != state.generation:
-        return Transition(state)  # a generation already replaced (a rule recovered it)
+        return _Step(state)  # a generation already replaced (a rule recovered it)
     if obs.teardown_code is not None:
-        why = (
-            f"rank {obs.rank} finished training, then exited with code {obs.teardown_code} "
-            "during teardown; counted as finished"
-        )
         note = _ev(
             Kind.ALERT,
             Code.TEARDOWN_EXIT,
-            why,
             None,
+            {"teardown_code": obs.teardown_code},
             severity="info",
             rule=None,
             rank=obs.rank,
             layer=None,
             step=obs.details.get("step"),
         )
-        return Transition(state, events=(note,))
+        return _Step(state, events=(note,))
     if obs.code == 0:
-        return Transition(state)
+        return _Step(state)
     lost = obs.details.get("lost")
     if obs.first:
-        why = f"rank {obs.rank} exited with code {obs.code} before its first heartbeat"
-        if lost:
-            why += f" (agent lost: {lost})"
         failure = LaunchFailed(
-            why,
+            wording.exit_before_heartbeat(obs.rank, obs.code, lost),
             rank=obs.rank,
             exit_code=obs.code,
             details={"log_tail": obs.details.get("log_tail", "")},
         )
         return launch_failed(state, failure)
-    why = f"rank {obs.rank} exited with code {obs.code} and no policy rule recovers crashes"
     details = {"rank": obs.rank, "rank_exit_code": obs.code}
     details["log_tail"] = obs.details.get("log_tail", "")
     if lost:
@@ -664,97 +636,99 @@ def rank_exited(state: State, obs: RankExited) -> Transition:
     event = _ev(
         Kind.FAILED,
         Code.CRASH_WITHOUT_RULE,
-        why,
         state.incident,
         exit_code=ExitCode.FAILED,
         **details,
     )
-    return Transition(st, (Kill(why), Shutdown(ExitCode.FAILED)), (event,))
+    return _Step(st, (Kill(wording.kill_reason(event)), Shutdown(ExitCode.FAILED)), (event,))
 
 
 @_on(LIVE, Notify)
-def notify(state: State, obs: Notify) -> Transition:
+def notify(state: State, obs: Notify) -> _Step:
     """A notify (or checkpoint) rule fired or resolved: an alert for the notifiers."""
     code = Code.RULE_RESOLVED if obs.resolved else Code.RULE_NOTIFY
-    event = _ev(Kind.ALERT, code, obs.reason, None, resolved=obs.resolved, **obs.details)
-    return Transition(state, events=(event,))
+    given = {"reason": obs.reason}
+    event = _ev(Kind.ALERT, code, None, given, resolved=obs.resolved, **obs.details)
+    return _Step(state, events=(event,))
 
 
 # ---- requests to the ranks: a checkpoint now, and preemption ----------------------------------
 @_on(ACTIVE, CheckpointWanted)
-def checkpoint_wanted(state: State, obs: CheckpointWanted) -> Transition:
+def checkpoint_wanted(state: State, obs: CheckpointWanted) -> _Step:
     """A ``checkpoint`` rule fired: ask the ranks to save at their next step boundary."""
     n = state.requests_sent + 1
     event = _ev(
         Kind.ALERT,
         Code.CHECKPOINT_REQUESTED,
-        obs.reason,
         None,
+        {"reason": obs.reason},
         resolved=False,
         request_id=n,
         **obs.details,
     )
-    request = RequestCheckpoint(n, f"policy: {obs.details.get('rule')}")
-    return Transition(_replace(state, requests_sent=n), (request,), (event,))
+    request = RequestCheckpoint(n, wording.checkpoint_request(obs.details.get("rule")))
+    return _Step(_replace(state, requests_sent=n), (request,), (event,))
 
 
 @_on(LIVE, Preempt)
-def preempt(state: State, obs: Preempt) -> Transition:
+def preempt(state: State, obs: Preempt) -> _Step:
     """The supervisor must go. Training ranks are asked for an emergency checkpoint first (the
     controller waits its grace period for it); in any other phase there is nothing to save."""
     if state.phase in (Phase.PREEMPTING, Phase.PREEMPTED):
-        return Transition(state)
+        return _Step(state)
     if state.phase not in ACTIVE:
-        return _preempted(_replace(state, preempted_from=state.phase), obs.reason, None)
+        return _preempted(_replace(state, preempted_from=state.phase), None, obs.reason)
     n = state.requests_sent + 1
     event = _ev(
         Kind.ALERT,
         Code.PREEMPTION,
-        f"{obs.reason}: asking the ranks for an emergency checkpoint",
         state.incident,
+        {"reason": obs.reason},
         severity="info",
         rule=None,
         request_id=n,
     )
     st = _replace(state, phase=Phase.PREEMPTING, preempted_from=state.phase, requests_sent=n)
-    return Transition(st, (RequestCheckpoint(n, obs.reason, wait=True),), (event,))
+    return _Step(st, (RequestCheckpoint(n, obs.reason, wait=True),), (event,))
 
 
 @_on([Phase.PREEMPTING], CheckpointSaved)
-def preempt_saved(state: State, obs: CheckpointSaved) -> Transition:
+def preempt_saved(state: State, obs: CheckpointSaved) -> _Step:
     """The emergency checkpoint is durable: stop, resumably."""
     if obs.request_id != state.requests_sent:
-        return Transition(state)  # an answer to an older request
-    return _preempted(state, "preempted after an emergency checkpoint", obs)
+        return _Step(state)  # an answer to an older request
+    return _preempted(state, obs)
 
 
 @_on([Phase.PREEMPTING], GraceExpired)
-def preempt_expired(state: State, obs: GraceExpired) -> Transition:
+def preempt_expired(state: State, obs: GraceExpired) -> _Step:
     """No emergency checkpoint in time: stop anyway; the resume starts from the newest one."""
     if obs.request_id != state.requests_sent:
-        return Transition(state)
-    return _preempted(state, "preempted: no emergency checkpoint within the grace period", None)
+        return _Step(state)
+    return _preempted(state, None)
 
 
-def _preempted(state: State, why: str, saved: CheckpointSaved | None) -> Transition:
+def _preempted(state: State, saved: CheckpointSaved | None, given: str | None = None) -> _Step:
+    """Stop, resumably: after the emergency checkpoint ``saved``, or without one (``given``: the
+    preemption's own reason, when nothing was training)."""
     code = Code.PREEMPTED_AFTER_CHECKPOINT if saved else Code.PREEMPTED_WITHOUT_CHECKPOINT
     event = _ev(
         Kind.PREEMPTED,
         code,
-        why,
         state.incident,
+        {"reason": given},
         checkpoint_path=saved.path if saved else None,
         checkpoint_step=saved.step if saved else None,
         interrupted=(state.preempted_from or state.phase).value,
         exit_code=ExitCode.PREEMPTED,
     )
     st = _replace(state, phase=Phase.PREEMPTED, exit_code=ExitCode.PREEMPTED)
-    return Transition(st, (Kill(why), Shutdown(ExitCode.PREEMPTED)), (event,))
+    return _Step(st, (Kill(wording.kill_reason(event)), Shutdown(ExitCode.PREEMPTED)), (event,))
 
 
 # ---- launch failures ---------------------------------------------------------------------------
 @_on((Phase.RUNNING, Phase.PROBATION, Phase.RELAUNCHING), LaunchFailed)
-def launch_failed(state: State, obs: LaunchFailed) -> Transition:
+def launch_failed(state: State, obs: LaunchFailed) -> _Step:
     """A launch did not come up: relaunch as a new generation (fresh port, backoff), outside the
     incident budget, at most ``launch_retries`` times in a row; then the job fails."""
     n = state.launch_failures + 1
@@ -770,7 +744,6 @@ def launch_failed(state: State, obs: LaunchFailed) -> Transition:
         **obs.details,
     )
     if n > retries:
-        why = f"{n} consecutive launch failures (at most {retries} retried); the last: {obs.reason}"
         st = _replace(
             state,
             phase=Phase.FAILED,
@@ -778,25 +751,24 @@ def launch_failed(state: State, obs: LaunchFailed) -> Transition:
             launch_failures=n,
             max_generation=max(state.max_generation, failed_gen),
         )
-        events = (
-            _ev(
-                Kind.LAUNCH_FAILED,
-                Code.LAUNCH_RETRIES_SPENT,
-                obs.reason,
-                state.incident,
-                gave_up=True,
-                **fields,
-            ),
-            _ev(
-                Kind.FAILED,
-                Code.LAUNCH_RETRIES_SPENT,
-                why,
-                state.incident,
-                exit_code=ExitCode.FAILED,
-                rank_exit_code=obs.exit_code,
-            ),
+        last = _ev(
+            Kind.LAUNCH_FAILED,
+            Code.LAUNCH_RETRIES_SPENT,
+            state.incident,
+            {"reason": obs.reason},
+            gave_up=True,
+            **fields,
         )
-        return Transition(st, (Kill(why), Shutdown(ExitCode.FAILED)), events)
+        failed = _ev(
+            Kind.FAILED,
+            Code.LAUNCH_RETRIES_SPENT,
+            state.incident,
+            {"failures": n, "retries": retries, "reason": obs.reason},
+            exit_code=ExitCode.FAILED,
+            rank_exit_code=obs.exit_code,
+        )
+        effects = (Kill(wording.kill_reason(failed)), Shutdown(ExitCode.FAILED))
+        return _Step(st, effects, (last, failed))
     st = _replace(state, max_generation=max(state.max_generation, failed_gen))
     plan = _replace(state.plan, generation=next_generation(st)) if state.plan else _plan(st)
     st = _replace(
@@ -807,20 +779,16 @@ def launch_failed(state: State, obs: LaunchFailed) -> Transition:
         relaunch_cause=state.relaunch_cause if relaunching else "launch_retry",
         resume_to=state.resume_to if relaunching else state.phase,
     )
-    why = (
-        f"{obs.reason}; retrying with a fresh port as generation {plan.generation} "
-        f"(retry {n} of {retries}, outside the incident budget)"
-    )
     event = _ev(
         Kind.LAUNCH_FAILED,
         Code.LAUNCH_FAILED,
-        why,
         state.incident,
+        {"reason": obs.reason, "generation": plan.generation},
         plan=plan.to_dict(),
         **fields,
     )
-    effects = (Kill(f"launch failure: {obs.reason}"), Launch(plan, backoff_attempt=n))
-    return Transition(st, effects, (event,))
+    kill = Kill(wording.kill_after_launch_failure(obs.reason))
+    return _Step(st, (kill, Launch(plan, backoff_attempt=n)), (event,))
 
 
 # ---- a restarted supervisor ----------------------------------------------------------------------
@@ -843,7 +811,7 @@ def _on_restart(*phases: Phase) -> Callable[[Handler], Handler]:
 
 
 @_on(LIVE, Restarted)
-def restarted(state: State, obs: Restarted) -> Transition:
+def restarted(state: State, obs: Restarted) -> _Step:
     """Finish what the journal shows unfinished: an interrupted kill, the checkpoint choice, the
     relaunch with the journaled plan; a running generation is resumed from a checkpoint (its
     agents died with the old supervisor). A preempted run goes back to the phase the preemption
@@ -867,57 +835,57 @@ def restarted(state: State, obs: Restarted) -> Transition:
 
 
 @_on_restart(Phase.STARTING)
-def _restart_start(st: State, obs: Restarted) -> Transition:
+def _restart_start(st: State, obs: Restarted) -> _Step:
     """Nothing was launched yet: start."""
     return start(st, Start(obs.launch_retries))
 
 
 @_on_restart(Phase.RUNNING, Phase.PROBATION, Phase.RESUMING)
-def _restart_resume(st: State, obs: Restarted) -> Transition:
+def _restart_resume(st: State, obs: Restarted) -> _Step:
     """The generation's agents died with the old supervisor: choose the checkpoint to resume
     from (any grade after a preemption; else the incident's, or the policy's, ``min_grade``)."""
     back = st.resume_to if st.phase is Phase.RESUMING else st.phase
     s = st.incident.settings if st.incident is not None else obs.settings
     min_grade = None if st.preempted_from is not None else s.min_grade
     st = _replace(st, phase=Phase.RESUMING, resume_to=back or Phase.RUNNING, resume_settings=s)
-    return Transition(st, (SelectCheckpoint(min_grade, None, 0, st.lineage),))
+    return _Step(st, (SelectCheckpoint(min_grade, None, 0, st.lineage),))
 
 
 @_on_restart(Phase.KILLING)
-def _restart_kill(st: State, obs: Restarted) -> Transition:
+def _restart_kill(st: State, obs: Restarted) -> _Step:
     """Finish the interrupted kill."""
     if st.incident is None:
-        return Transition(st)
-    return Transition(st, (Kill(f"supervisor restart: finishing the kill of {st.incident.id}"),))
+        return _Step(st)
+    return _Step(st, (Kill(wording.kill_on_restart(st.incident.id)),))
 
 
 @_on_restart(Phase.ROLLING_BACK)
-def _restart_rollback(st: State, obs: Restarted) -> Transition:
+def _restart_rollback(st: State, obs: Restarted) -> _Step:
     """Choose the incident's checkpoint again."""
     if st.incident is None:
-        return Transition(st)
-    return Transition(st, (_rollback_select(st, st.incident),))
+        return _Step(st)
+    return _Step(st, (_rollback_select(st, st.incident),))
 
 
 @_on_restart(Phase.RELAUNCHING)
-def _restart_relaunch(st: State, obs: Restarted) -> Transition:
+def _restart_relaunch(st: State, obs: Restarted) -> _Step:
     """Launch with the journaled plan, under a new number when that launch may have begun."""
     if st.plan is None:
-        return Transition(st)
+        return _Step(st)
     plan = st.plan
     if plan.generation <= st.max_generation:
         plan = _replace(plan, generation=st.max_generation + 1)
-    return Transition(_replace(st, plan=plan), (Launch(plan),))
+    return _Step(_replace(st, plan=plan), (Launch(plan),))
 
 
 @_on_restart(Phase.HOLDING)
-def _restart_holding(st: State, obs: Restarted) -> Transition:
+def _restart_holding(st: State, obs: Restarted) -> _Step:
     """The ranks are dead and a human decides: nothing to do."""
-    return Transition(st)
+    return _Step(st)
 
 
 @_on([Phase.RESUMING], CheckpointChosen)
-def resume(state: State, obs: CheckpointChosen) -> Transition:
+def resume(state: State, obs: CheckpointChosen) -> _Step:
     """The checkpoint a restarted supervisor resumes the run from (the newest healthy one on the
     lineage, with the journaled LR scale; none yet: from step 0). The generation's checkpoint
     gone: escalate (or hold, ``on_exhausted: hold``)."""
@@ -927,36 +895,21 @@ def resume(state: State, obs: CheckpointChosen) -> Transition:
     back = (state.resume_to or Phase.RUNNING).value
     if obs.path is None:
         if old is not None and old.checkpoint is not None:
-            why = (
-                "supervisor restart: no healthy checkpoint to resume from (this generation "
-                f"resumed from {old.checkpoint}, which no longer verifies)"
-            )
             code = Code.RESUME_CHECKPOINT_GONE
+            why = {"checkpoint": old.checkpoint}
             gone = _none_chosen(Kind.RESUME, code, why, inc, obs, resume_to=back)
-            return _escalate(state, inc, [gone], why, code, settings)
+            return _escalate(state, inc, [gone], code, why, settings)
         plan = _plan(state, skip=_carried(old, after=None))
         code = Code.RESUME_FROM_START
-        why = (
-            "supervisor restart: no checkpoint yet on this run's lineage; starting over from step 0"
-        )
     else:
         reset = bool(old is not None and old.reset_optimizer and old.checkpoint == obs.path)
         plan = _plan(state, obs, reset_optimizer=reset, skip=_carried(old, after=obs.step or 0))
         code = Code.RESUME_FROM_CHECKPOINT
-        why = (
-            "supervisor restart: resuming from the newest healthy checkpoint "
-            f"(step {obs.step}, S{obs.grade}) with LR scale {state.lr_scale:.4g}"
-        )
         if state.preempted_from is not None:
             code = Code.RESUME_AFTER_PREEMPTION
-            why = (
-                "resuming a preempted run from its newest checkpoint "
-                f"(step {obs.step}, S{obs.grade}) with LR scale {state.lr_scale:.4g}"
-            )
     event = _ev(
         Kind.RESUME,
         code,
-        why,
         inc,
         **_chosen(obs),
         lr_scale=state.lr_scale,
@@ -971,34 +924,34 @@ def resume(state: State, obs: CheckpointChosen) -> Transition:
         launch_failures=0,
         preempted_from=None,
     )
-    return Transition(st, (Launch(plan),), (event,))
+    return _Step(st, (Launch(plan),), (event,))
 
 
 # ---- escalation: the one way automatic recovery gives up ---------------------------------------
 def _escalate(
     state: State,
     inc: Incident | None,
-    events: list[Event],
-    why: str,
+    events: list[MachineEvent],
     code: Code,
+    why: Mapping[str, Any],
     settings: Settings,
     *,
     fail_fast: bool = False,
-) -> Transition:
+) -> _Step:
     """Give up: stop the job (exit 3), or hold it for a human (``settings.on_exhausted: hold``).
-    Ranks still training are killed either way; after a kill or a restart there are none."""
+    Ranks still training are killed either way; after a kill or a restart there are none.
+    ``code`` says why (``why``: the values its wording needs)."""
     extra = {"fail_fast": True} if fail_fast else {}
     training = state.phase in ACTIVE
-    if settings.on_exhausted == "hold":
-        events.append(
-            _ev(Kind.ESCALATED, code, f"{why}; holding for a human", inc, hold=True, **extra)
-        )
+    hold = settings.on_exhausted == "hold"
+    escalated = _ev(Kind.ESCALATED, code, inc, why, hold=hold, **extra)
+    events.append(escalated)
+    kill = (Kill(wording.kill_reason(escalated)),) if training else ()
+    if hold:
         st = _replace(state, phase=Phase.HOLDING, incident=inc)
-        return Transition(st, (Kill(f"{why}; holding"),) if training else (), tuple(events))
-    events.append(_ev(Kind.ESCALATED, code, why, inc, hold=False, **extra))
+        return _Step(st, kill, tuple(events))
     st = _replace(state, phase=Phase.ESCALATED, incident=inc, exit_code=ExitCode.ESCALATED)
-    kill = (Kill(why),) if training else ()
-    return Transition(st, (*kill, Shutdown(ExitCode.ESCALATED)), tuple(events))
+    return _Step(st, (*kill, Shutdown(ExitCode.ESCALATED)), tuple(events))
 
 
 # ---- the resume plan: built in one place -------------------------------------------------------

@@ -1,0 +1,304 @@
+"""The describer: the prose ``reason`` of every event the recovery machine journals. Pure.
+
+The machine's handlers decide and return typed :class:`~.events.MachineEvent` values; this module
+words them, one function per (kind, code) in :data:`WORDING`, and :func:`to_record` turns an event
+into the dict the journal records. Keeping the prose here keeps the handlers about the rules, and
+gives every text one home: a kill's reason that repeats an event's (a stop, a failure, giving up)
+is worded by the same function (:func:`kill_reason`), never copied.
+
+The texts are part of the journal (humans and the console read them; programs read ``code``):
+change one and the recorded runs in ``tests/data`` still replay (digests cover the state, not the
+prose), but the journals written from then on read differently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .events import Code, Kind, MachineEvent
+
+Values = Mapping[str, Any]
+Wording = Callable[[Values, Values], str]
+"""Words an event from its journaled ``fields`` and its unjournaled ``context``."""
+
+
+# ---- why automatic recovery gives up (the escalated event, and the event that led to it) -------
+def _too_many_incidents(f: Values, c: Values) -> str:
+    return (
+        f"this run has had {c['incidents']} incidents, more than max_incidents "
+        f"{c['max_incidents']}: recovering again would not make it healthy"
+    )
+
+
+def _budget_spent(f: Values, c: Values) -> str:
+    return f"recovery budget of {c['max_attempts']} attempts spent"
+
+
+def _corrupt_checkpoint(f: Values, c: Values) -> str:
+    return (
+        f"checkpoint {c['corrupt']} failed verification and the policy does not fall back "
+        "to older ones (recovery.fallback_on_corrupt: false)"
+    )
+
+
+def _no_healthy_checkpoint(f: Values, c: Values) -> str:
+    return (
+        f"no checkpoint graded >= S{c['min_grade']} at least {c['min_steps_back']} steps before "
+        f"step {c['step']} verifies"
+    )
+
+
+def _recurring_fault(f: Values, c: Values) -> str:
+    first, step = c["first_step"], c["step"]
+    at = f"step {step}" if step == first else f"steps {first} and {step}"
+    return (
+        f"{c['rule']} recurred at {at} on consecutive attempts: the fault is deterministic "
+        "at this step and another attempt would loop; failing fast"
+    )
+
+
+def _resume_checkpoint_gone(f: Values, c: Values) -> str:
+    return (
+        "supervisor restart: no healthy checkpoint to resume from (this generation "
+        f"resumed from {c['checkpoint']}, which no longer verifies)"
+    )
+
+
+GIVING_UP: dict[Code, Wording] = {
+    Code.TOO_MANY_INCIDENTS: _too_many_incidents,
+    Code.BUDGET_SPENT: _budget_spent,
+    Code.CORRUPT_CHECKPOINT: _corrupt_checkpoint,
+    Code.NO_HEALTHY_CHECKPOINT: _no_healthy_checkpoint,
+    Code.RECURRING_FAULT: _recurring_fault,
+    Code.RESUME_CHECKPOINT_GONE: _resume_checkpoint_gone,
+}
+"""Why the machine escalates, by the escalated event's code."""
+
+
+def _escalated(code: Code) -> Wording:
+    """The escalated event: why it gives up, and whether it holds for a human."""
+
+    def word(f: Values, c: Values) -> str:
+        why = GIVING_UP[code](f, c)
+        return f"{why}; holding for a human" if f["hold"] else why
+
+    return word
+
+
+# ---- the recovery sequence ---------------------------------------------------------------------
+def _given(f: Values, c: Values) -> str:
+    """A text that came with the observation (a policy rule's reason, a stop request's)."""
+    given: str = c["reason"]
+    return given
+
+
+def _ranks_killed(f: Values, c: Values) -> str:
+    how = ""
+    if f["unreachable"]:
+        how += f"; ranks {f['unreachable']} unreachable (fenced, reaped by pid when reachable)"
+    if f["forced"]:
+        how += f"; ranks {f['forced']} ignored SIGTERM and were SIGKILLed"
+    return f"killed {len(f['ranks'])} ranks of generation {c['generation']}{how}"
+
+
+def _restart_from_start(f: Values, c: Values) -> str:
+    return (
+        f"no checkpoint on this run's lineage at or before step {c['step']}"
+        " verifies: a crash or a hang starts over from step 0"
+    )
+
+
+def _checkpoint_chosen(f: Values, c: Values) -> str:
+    if c["fault"]:
+        return f"newest checkpoint that verifies (any grade) at or before step {c['step']}"
+    return f"newest checkpoint graded S{f['grade']} >= S{c['min_grade']} before step {c['step']}"
+
+
+def _lr_cut(f: Values, c: Values) -> str:
+    return f"LR x{f['factor']:g} on attempt {c['attempt']} (scale now {f['lr_scale']:.4g})"
+
+
+def _relaunched(after: str) -> Wording:
+    def word(f: Values, c: Values) -> str:
+        return f"relaunched from step {c['start_step']}{after}"
+
+    return word
+
+
+def _probation_window(f: Values, c: Values) -> str:
+    return f"{f['until_step'] - f['from_step']} steps must pass without another incident"
+
+
+def _probation_progress(f: Values, c: Values) -> str:
+    return (
+        f"probation {c['tenths'] * 10}% done: step {f['step']} of "
+        f"{f['from_step']}..{f['until_step']}"
+    )
+
+
+def _recover_in_probation(f: Values, c: Values) -> str:
+    return f"{f['rule']}: {c['reason']}"
+
+
+def _teardown_exit(f: Values, c: Values) -> str:
+    return (
+        f"rank {f['rank']} finished training, then exited with code {c['teardown_code']} "
+        "during teardown; counted as finished"
+    )
+
+
+def _crash_without_rule(f: Values, c: Values) -> str:
+    return (
+        f"rank {f['rank']} exited with code {f['rank_exit_code']} and no policy rule recovers "
+        "crashes"
+    )
+
+
+def _preemption(f: Values, c: Values) -> str:
+    return f"{c['reason']}: asking the ranks for an emergency checkpoint"
+
+
+def _preempted_without_checkpoint(f: Values, c: Values) -> str:
+    """Not training (nothing to save): the preemption's own reason; else the grace ran out."""
+    given: str | None = c.get("reason")
+    return (
+        given if given is not None else "preempted: no emergency checkpoint within the grace period"
+    )
+
+
+def _launch_retries_spent(f: Values, c: Values) -> str:
+    return (
+        f"{c['failures']} consecutive launch failures (at most {c['retries']} retried); "
+        f"the last: {c['reason']}"
+    )
+
+
+def _launch_failed(f: Values, c: Values) -> str:
+    return (
+        f"{c['reason']}; retrying with a fresh port as generation {c['generation']} "
+        f"(retry {f['failures']} of {f['retries_allowed']}, outside the incident budget)"
+    )
+
+
+def _resume_from_checkpoint(f: Values, c: Values) -> str:
+    return (
+        "supervisor restart: resuming from the newest healthy checkpoint "
+        f"(step {f['checkpoint_step']}, S{f['grade']}) with LR scale {f['lr_scale']:.4g}"
+    )
+
+
+def _resume_after_preemption(f: Values, c: Values) -> str:
+    return (
+        "resuming a preempted run from its newest checkpoint "
+        f"(step {f['checkpoint_step']}, S{f['grade']}) with LR scale {f['lr_scale']:.4g}"
+    )
+
+
+def _fixed(text: str) -> Wording:
+    def word(f: Values, c: Values) -> str:
+        return text
+
+    return word
+
+
+WORDING: dict[tuple[Kind, Code], Wording] = {
+    (Kind.INCIDENT, Code.RULE_FIRED): _given,
+    (Kind.KILL, Code.RANKS_KILLED): _ranks_killed,
+    (Kind.ROLLBACK, Code.RESTART_FROM_START): _restart_from_start,
+    (Kind.ROLLBACK, Code.CHECKPOINT_CHOSEN): _checkpoint_chosen,
+    (Kind.ROLLBACK, Code.CORRUPT_CHECKPOINT): _corrupt_checkpoint,
+    (Kind.ROLLBACK, Code.NO_HEALTHY_CHECKPOINT): _no_healthy_checkpoint,
+    (Kind.LR_CUT, Code.LR_CUT): _lr_cut,
+    (Kind.OPTIMIZER_RESET, Code.OPTIMIZER_RESET): _fixed(
+        "optimizer moments may carry the instability"
+    ),
+    (Kind.LAUNCH, Code.INITIAL_LAUNCH): _fixed("initial launch"),
+    (Kind.LAUNCH, Code.RELAUNCH_AFTER_ROLLBACK): _relaunched(""),
+    (Kind.LAUNCH, Code.RELAUNCH_AFTER_LAUNCH_FAILURE): _relaunched(" after a launch failure"),
+    (Kind.LAUNCH, Code.RELAUNCH_AFTER_RESTART): _relaunched(" after a supervisor restart"),
+    (Kind.PROBATION_START, Code.PROBATION_WINDOW): _probation_window,
+    (Kind.PROBATION_PROGRESS, Code.PROBATION_PROGRESS): _probation_progress,
+    (Kind.PROBATION_PASSED, Code.WINDOW_PASSED): _fixed(
+        "no second incident in the probation window"
+    ),
+    (Kind.PROBATION_PASSED, Code.FINISHED_IN_PROBATION): _fixed(
+        "training finished inside the probation window without a second incident"
+    ),
+    (Kind.PROBATION_FAILED, Code.RECOVER_IN_PROBATION): _recover_in_probation,
+    (Kind.COMPLETED, Code.ALL_RANKS_FINISHED): _fixed("all ranks finished"),
+    (Kind.STOPPED, Code.STOP_REQUESTED): _given,
+    (Kind.ALERT, Code.TEARDOWN_EXIT): _teardown_exit,
+    (Kind.ALERT, Code.RULE_NOTIFY): _given,
+    (Kind.ALERT, Code.RULE_RESOLVED): _given,
+    (Kind.ALERT, Code.CHECKPOINT_REQUESTED): _given,
+    (Kind.ALERT, Code.PREEMPTION): _preemption,
+    (Kind.FAILED, Code.CRASH_WITHOUT_RULE): _crash_without_rule,
+    (Kind.FAILED, Code.LAUNCH_RETRIES_SPENT): _launch_retries_spent,
+    (Kind.PREEMPTED, Code.PREEMPTED_AFTER_CHECKPOINT): _fixed(
+        "preempted after an emergency checkpoint"
+    ),
+    (Kind.PREEMPTED, Code.PREEMPTED_WITHOUT_CHECKPOINT): _preempted_without_checkpoint,
+    (Kind.LAUNCH_FAILED, Code.LAUNCH_RETRIES_SPENT): _given,
+    (Kind.LAUNCH_FAILED, Code.LAUNCH_FAILED): _launch_failed,
+    (Kind.RESUME, Code.RESUME_FROM_START): _fixed(
+        "supervisor restart: no checkpoint yet on this run's lineage; starting over from step 0"
+    ),
+    (Kind.RESUME, Code.RESUME_FROM_CHECKPOINT): _resume_from_checkpoint,
+    (Kind.RESUME, Code.RESUME_AFTER_PREEMPTION): _resume_after_preemption,
+    (Kind.RESUME, Code.RESUME_CHECKPOINT_GONE): _resume_checkpoint_gone,
+    **{(Kind.ESCALATED, code): _escalated(code) for code in GIVING_UP},
+}
+"""The prose of every event the machine journals, by (kind, code)."""
+
+
+def describe(event: MachineEvent) -> str:
+    """The event's prose ``reason``."""
+    return WORDING[(event.kind, event.code)](event.fields, event.context)
+
+
+def to_record(event: MachineEvent) -> dict[str, Any]:
+    """The dict the journal records for ``event`` (kind, code, reason, incident, its fields)."""
+    return {
+        "kind": event.kind.value,
+        "code": event.code.value,
+        "reason": describe(event),
+        "incident": event.incident,
+        **event.fields,
+    }
+
+
+def kill_reason(event: MachineEvent) -> str:
+    """Why the ranks are killed when the machine ends the run with ``event`` (a stop, a failure,
+    a preemption, giving up): the event's own text (a hold: the reason, then "holding")."""
+    if event.kind is Kind.ESCALATED:
+        why = GIVING_UP[event.code](event.fields, event.context)
+        return f"{why}; holding" if event.fields["hold"] else why
+    return describe(event)
+
+
+# ---- texts of effects and observations that no event repeats -----------------------------------
+def kill_for_incident(incident: str, rule: str) -> str:
+    """A :class:`~.recovery.model.Kill`'s reason when an incident kills the generation."""
+    return f"incident {incident}: {rule}"
+
+
+def kill_after_launch_failure(reason: str) -> str:
+    """The kill of what a failed launch left running."""
+    return f"launch failure: {reason}"
+
+
+def kill_on_restart(incident: str) -> str:
+    """A restarted supervisor finishing the kill the journal shows unfinished."""
+    return f"supervisor restart: finishing the kill of {incident}"
+
+
+def checkpoint_request(rule: Any) -> str:
+    """Why a ``checkpoint`` rule asks the ranks for a checkpoint."""
+    return f"policy: {rule}"
+
+
+def exit_before_heartbeat(rank: int, code: int, lost: Any) -> str:
+    """A rank that died before its first message (the launch failure's reason)."""
+    why = f"rank {rank} exited with code {code} before its first heartbeat"
+    return f"{why} (agent lost: {lost})" if lost else why
