@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -166,3 +168,28 @@ def test_session_step_never_raises_on_an_odd_extra(tmp_path):
     assert [m["step"] for m in beats] == [0, 1, 2]
     assert "extra" not in beats[0] and "Opaque" in beats[0]["extra_dropped"]
     assert beats[1]["extra"] == {"pair": [1.0, 1.0], "('a', 1)": [2]}
+
+
+EXITING_RANK = """
+import sys
+from spikeguard.workers.channel import open_channel
+ch = open_channel("jsonl://" + sys.argv[1])
+for step in range(400):
+    ch.send({"v": 1, "run": "r", "gen": 1, "rank": 0, "step": step, "t": 0.0,
+             "type": "heartbeat", "loss": 1.0})
+sys.exit(3)  # a crash in the script: an exception or sys.exit, no sg.close()
+"""
+
+
+def test_what_a_crashing_rank_queued_is_still_sent_at_exit(tmp_path):
+    """A rank that dies by an exception or ``sys.exit`` (not a kill) still delivers the reports
+    it queued: the supervisor learns the last step it really did, not one a scheduler's delay
+    left in the queue (and it does not say ``done``: it did not finish)."""
+    out = tmp_path / "reports.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-c", EXITING_RANK, str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 3, proc.stderr
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(400))
+    assert not any(m["type"] == "done" for m in lines)

@@ -5,7 +5,9 @@ that cannot be encoded is refused there, so ``send()`` says so), puts the line o
 bounded queue and returns at once; a daemon thread only writes bytes, and survives
 anything that goes wrong while it does. When the queue is full the message is
 dropped and counted (back-pressure must never slow training); the count is
-sent as a ``dropped`` message once the writer catches up.
+sent as a ``dropped`` message once the writer catches up. When the process exits on its own
+(the script returns, raises or calls ``sys.exit``: a crash, not a kill) what is still queued is
+sent first, for at most :data:`EXIT_FLUSH_S`: the supervisor learns the last step the rank did.
 
 Over a socket the channel also carries the supervisor's requests back (a checkpoint now, for a
 policy rule or before a preemption): a reader thread puts them on a queue that
@@ -21,12 +23,14 @@ Destinations (see :mod:`spikeguard.workers.contract`):
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 from .encode import Unencodable, encode_line
@@ -35,6 +39,8 @@ _STOP = object()
 MAX_REQUEST_BYTES = 1 << 16
 _HEADER = ("v", "run", "gen", "rank", "step", "t")
 """The fields of a message a ``dropped`` note sent before it repeats."""
+EXIT_FLUSH_S = 2.0
+"""How long a process that exits on its own waits for its queued reports to be sent."""
 
 
 class Channel:
@@ -55,6 +61,7 @@ class Channel:
         self._requests: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="spikeguard-channel", daemon=True)
         self._thread.start()
+        atexit.register(_flush_at_exit, weakref.ref(self))
 
     # -- called from the training thread -------------------------------------------------
     def send(self, msg: dict[str, Any]) -> bool:
@@ -119,6 +126,13 @@ class Channel:
 
     def _shutdown(self) -> None:
         pass
+
+
+def _flush_at_exit(ref: weakref.ref[Channel]) -> None:
+    """At interpreter exit: send what a still-open channel has queued (bounded), then stop."""
+    channel = ref()
+    if channel is not None and channel._thread.is_alive():
+        channel.close(EXIT_FLUSH_S)
 
 
 def _encode(msg: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
