@@ -78,7 +78,7 @@ class Controller:
     ) -> None:
         self.settings = s = ControllerSettings(**settings)
         self.paths = RunPaths(Path(run_dir)).make()
-        self.run_dir, self.ckpt_dir = self.paths.root, self.paths.ckpt_dir
+        self.run_dir = self.paths.root
         self.stop_file = self.paths.stop_file
         self.group, self.engine = group, engine
         self.journal = Journal(run_dir, run=run_id)

@@ -249,9 +249,15 @@ def standby_event(change: Any, incident: str | None) -> dict[str, Any]:
     return ev
 
 
+def jsonable(x: Any) -> Any:
+    """``x``, with a non-finite float as its string (the journal is strict JSON)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x
+
+
 def checkpoint_deleted_event(verdict: Any, incident: str | None) -> dict[str, Any]:
     """The ``checkpoint_deleted`` event for a retention verdict that was carried out."""
-    loss = verdict.loss
     return {
         "kind": Kind.CHECKPOINT_DELETED.value,
         "incident": incident,
@@ -262,7 +268,7 @@ def checkpoint_deleted_event(verdict: Any, incident: str | None) -> dict[str, An
         "checkpoint_kind": verdict.kind,
         "complete": verdict.complete,
         "grade": verdict.grade,
-        "loss": str(loss) if isinstance(loss, float) and not math.isfinite(loss) else loss,
+        "loss": jsonable(verdict.loss),
         "ranks": verdict.ranks,
         "bytes": verdict.size,
     }

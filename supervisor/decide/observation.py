@@ -9,24 +9,17 @@ hands each to the machine in that order and decides nothing itself.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from . import recovery as rc
+from .events import jsonable
 
 FAULTS = frozenset({"exit", "hang"})
 """Message types that are faults of the process (a crash, a hang), not a training signal."""
 CHART_KEYS = ("step", "grade", "attn_entropy_min", "loss", "max_logit")
 """The samples an incident's chart shows, most recent 60 of the rank that fired."""
 CHART_SAMPLES = 60
-
-
-def jsonable(x: Any) -> Any:
-    """``x``, with a non-finite float as its string (the journal is strict JSON)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return x
 
 
 def observation_of(
