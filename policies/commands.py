@@ -1,4 +1,4 @@
-"""``spikeguard policy …``: check, schema, explain and replay.
+"""``spikeguard policy …``: check, schema, explain, replay and calibrate.
 
 ``register(subparsers)`` adds the group to the main CLI; every handler returns an exit code:
 0 fine, 2 bad input (the one-line ``FILE:LINE:COL: path: message`` errors go to stderr).
@@ -10,6 +10,7 @@ import argparse
 import collections
 import gzip
 import json
+import math
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -17,15 +18,23 @@ from typing import Any
 
 from spikeguard.workers.contract.exitcodes import ExitCode
 
+from . import calibrate
 from .engine import Decision, replay
 from .explain import explain
-from .loader import BUILTINS, PolicyError, load_policy
+from .loader import (
+    BUILTINS,
+    PolicyError,
+    builtin_path,
+    load_policy,
+    load_policy_text,
+    load_yaml_text,
+)
 from .schema import Policy
 from .values import caller_choices
 
 
 def register(subparsers: Any, *, destinations: Sequence[str] | None = None) -> None:
-    """Add ``policy check|schema|explain|replay`` to an argparse subparsers object.
+    """Add ``policy check|schema|explain|replay|calibrate`` to an argparse subparsers object.
 
     ``destinations``: the names the policies' ``notify.routes`` may use (the sinks of the
     supervisor whose command this is); None: those of the default routes."""
@@ -40,7 +49,7 @@ def register(subparsers: Any, *, destinations: Sequence[str] | None = None) -> N
         func=lambda args: (p.print_help(sys.stderr), ExitCode.BAD_INPUT)[1],
         destinations=None if destinations is None else tuple(destinations),
     )
-    sub = p.add_subparsers(dest="policy_cmd", metavar="{check,schema,explain,replay}")
+    sub = p.add_subparsers(dest="policy_cmd", metavar="{check,schema,explain,replay,calibrate}")
     c = sub.add_parser("check", help="validate a policy file (exit 0 ok, 2 with the error)")
     c.add_argument("file", help="a policy YAML file or a built-in name")
     c.set_defaults(func=cmd_check)
@@ -60,6 +69,45 @@ def register(subparsers: Any, *, destinations: Sequence[str] | None = None) -> N
     )
     r.add_argument("--json", action="store_true", help="one JSON object per decision")
     r.set_defaults(func=cmd_replay)
+    _add_calibrate(sub)
+
+
+def _add_calibrate(sub: Any) -> None:
+    k = sub.add_parser(
+        "calibrate",
+        help="propose thresholds from recorded runs: silent on stable ones, early on divergences",
+        description="For each rule with a numeric threshold, find by replaying the stable runs "
+        "the tightest setting at which it stays silent, add a margin, report the lead on the "
+        "diverging runs and what the whole proposed policy decides, and write it for review.",
+    )
+    k.add_argument(
+        "file", nargs="?", default="default", help="the base policy (a file or a built-in name)"
+    )
+    k.add_argument(
+        "--stable",
+        nargs="+",
+        required=True,
+        metavar="RUN",
+        help="stable runs: run directories (their reports.jsonl(.gz)) or report files",
+    )
+    k.add_argument(
+        "--diverging",
+        nargs="+",
+        default=[],
+        metavar="RUN@ONSET",
+        help="diverging runs, each with the step its divergence began at (runs/lr-high@725)",
+    )
+    k.add_argument(
+        "--margin",
+        type=float,
+        default=calibrate.Settings().margin,
+        help="how far past the tightest silent setting to go, loosely (default %(default)s)",
+    )
+    k.add_argument(
+        "--out", help="where to write the proposed policy (default: <base name>-calibrated.yaml)"
+    )
+    k.add_argument("--force", action="store_true", help="replace the --out file if it exists")
+    k.set_defaults(func=cmd_calibrate)
 
 
 def _load(args: argparse.Namespace) -> Policy | None:
@@ -288,4 +336,105 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for d in decisions:
         print(json.dumps(d.to_dict(), sort_keys=True) if args.json else _line(d))
     print(summarize(policy, messages, decisions), file=sys.stderr if args.json else sys.stdout)
+    return ExitCode.OK
+
+
+def _onset(spec: str) -> tuple[str, int]:
+    """``RUN@ONSET`` -> (RUN, ONSET); ValueError with the sentence to print."""
+    run, at, onset = spec.rpartition("@")
+    if not at or not run or not onset.isdigit():
+        raise ValueError(
+            f"--diverging {spec!r}: expected RUN@ONSET, a run and the step its divergence "
+            "began at (e.g. runs/lr-high@725)"
+        )
+    return run, int(onset)
+
+
+def _runs(sources: Sequence[str], onsets: Sequence[int | None]) -> list[calibrate.Run]:
+    """One :class:`~.calibrate.Run` per source, read as ``policy replay`` reads them."""
+    runs = []
+    for source, onset in zip(sources, onsets):
+        messages, bad = load_messages([source])
+        if bad:
+            print(
+                f"spikeguard policy calibrate: {source}: skipped {len(bad)} line(s) that are not "
+                f"JSON objects (first {bad[0]})",
+                file=sys.stderr,
+            )
+        runs.append(calibrate.Run(source, messages, onset))
+    return runs
+
+
+def _base_text(source: str) -> dict[str, Any] | None:
+    """The base policy's plain data as written (rules keep their compact conditions), or None
+    when it cannot be read back."""
+    try:
+        if source in BUILTINS and not Path(source).exists():
+            return load_yaml_text(builtin_path(source).read_text(encoding="utf-8"))
+        return load_yaml_text(Path(source).read_text(encoding="utf-8"), source)
+    except (OSError, UnicodeDecodeError, PolicyError):
+        return None
+
+
+def _header(args: argparse.Namespace, cal: calibrate.Calibration) -> list[str]:
+    """The comment block on top of the written policy: what it was calibrated from."""
+    return [
+        f"spikeguard policy {cal.proposed.name!r}: {args.file!r} calibrated by "
+        "`spikeguard policy calibrate` on",
+        *(f"  stable:    {run.label}" for run in cal.stable),
+        *(f"  diverging: {run.label} (onset step {run.onset})" for run in cal.diverging),
+        f"with margin {cal.settings.margin:g}. A comment above each rule whose thresholds changed",
+        "says how they were found. Review it before use: it is fitted to these runs only.",
+        "Check it with `spikeguard policy check FILE`; see what it decides on a run with",
+        "`spikeguard policy replay FILE RUN`.",
+        "",
+    ]
+
+
+def _problem(text: str) -> int:
+    print(f"spikeguard policy calibrate: {text}", file=sys.stderr)
+    return ExitCode.BAD_INPUT
+
+
+@_guard
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Propose per-rule thresholds from recorded runs, show what they decide, write the policy."""
+    if not math.isfinite(args.margin) or args.margin < 1:
+        return _problem(f"--margin {args.margin:g}: expected a number >= 1 (1: no margin)")
+    try:
+        diverging = [_onset(spec) for spec in args.diverging]
+    except ValueError as e:
+        return _problem(str(e))
+    base = _load(args)
+    if base is None:
+        return ExitCode.BAD_INPUT
+    out = Path(args.out or f"{base.name}-calibrated.yaml")
+    if out.exists() and not args.force:
+        return _problem(f"{out} exists: pass --force to replace it, or another --out")
+    try:
+        stable = _runs(args.stable, [None] * len(args.stable))
+        diverged = _runs([run for run, _ in diverging], [onset for _, onset in diverging])
+    except (OSError, UnicodeDecodeError, NotReports) as e:
+        return _problem(str(e))
+    settings = calibrate.Settings(margin=args.margin)
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    cal = calibrate.calibrate(base, stable, diverged, settings=settings, progress=progress)
+    print(calibrate.render_report(cal))
+    text = calibrate.render_policy(cal, _base_text(args.file), _header(args, cal))
+    try:
+        load_policy_text(text, str(out), destinations=_destinations(args))
+    except PolicyError as e:  # a bug here, not the user's input: say what, write nothing
+        return _problem("the proposed policy does not validate:\n" + "\n".join(map(str, e.issues)))
+    try:
+        out.write_text(text, encoding="utf-8")
+    except OSError as e:
+        return _problem(f"cannot write {out}: {e.strerror or e}")
+    print(
+        f"\nwrote {out} (policy {cal.proposed.name!r}); check it with "
+        f"`spikeguard policy check {out}` and see it decide with "
+        f"`spikeguard policy replay {out} RUN`"
+    )
     return ExitCode.OK
