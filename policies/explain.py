@@ -141,6 +141,28 @@ def explain_rule(rule: Rule, policy: Policy, index: int) -> list[str]:
     return lines
 
 
+def _in_probation(rs: RecoverySettings) -> str:
+    """What a recover decision during probation does (``probation_kinds``)."""
+    if rs.probation_kinds == "own":
+        return (
+            "a fault of the other kind in it, a divergence after a crash or a crash after a "
+            "divergence, opens its own incident with its rule's settings; another rule of the "
+            "same kind is the next attempt, with that rule's settings"
+        )
+    return "any recover decision in it is the incident's next attempt, with its settings"
+
+
+def _recurrence(rs: RecoverySettings) -> str:
+    """When a firing in probation is taken for a deterministic fault (and fails fast)."""
+    window = f"firing again within {rs.recur_window_steps} steps of the last attempt's step"
+    if rs.recur_tolerance is None:
+        return f"the same rule {window}, whatever it measures, fails fast as deterministic"
+    return (
+        f"the same rule {window}, measuring the same (within {rs.recur_tolerance:.2g} relative; "
+        "both non-finite; or nothing, for a crash or a hang), fails fast as deterministic"
+    )
+
+
 def explain_recovery(rs: RecoverySettings) -> str:
     factors = ", ".join(f"{f:g}" for f in rs.lr_factors)
     parts = [
@@ -150,6 +172,12 @@ def explain_recovery(rs: RecoverySettings) -> str:
             f" and at least {rs.min_steps_back} steps before the incident"
             if rs.min_steps_back
             else ""
+        )
+        + (
+            ", or, when none is, at the run's own healthy baseline (the median grade of its "
+            "checkpoints before the incident)"
+            if rs.grade_baseline == "run"
+            else ", escalating when none is (the absolute grade only)"
         ),
         "falling back to an older one when its checksum fails"
         if rs.fallback_on_corrupt
@@ -161,14 +189,29 @@ def explain_recovery(rs: RecoverySettings) -> str:
             + (" (the last repeats)" if len(rs.lr_factors) < rs.max_attempts else "")
         )
         + f", compounding (x{rs.lr_scale(rs.max_attempts):.3g} after {rs.max_attempts})",
-        "reset the optimizer" if rs.reset_optimizer else "keep the optimizer state",
+        (
+            "reset the optimizer"
+            + (
+                f" and re-warm the LR over its first {rs.rewarm_steps} steps"
+                if rs.rewarm_steps
+                else " (the full LR at once)"
+            )
+        )
+        if rs.reset_optimizer
+        else "keep the optimizer state",
         (
             f"skip the batches of the {rs.skip_window} steps before the incident"
             + (" by their ids, wherever they come up again" if rs.skip_by == "batch_ids" else "")
         )
         if rs.skip_window
         else "skip no data",
-        f"then {rs.probation_steps} steps of probation" if rs.probation_steps else "no probation",
+        f"then {rs.probation_steps} steps of probation ({_in_probation(rs)})"
+        if rs.probation_steps
+        else "no probation",
+        _recurrence(rs),
+        f"once probation passes, give the LR cut back over {rs.lr_restore_steps} steps"
+        if rs.lr_restore_steps
+        else "an LR cut is permanent",
         f"at most {rs.max_attempts} attempt{'s' if rs.max_attempts != 1 else ''} per incident and "
         f"{rs.max_incidents} incident{'s' if rs.max_incidents != 1 else ''} per run, then "
         + ("stop the job and page" if rs.on_exhausted == "stop" else "hold the job for a human"),

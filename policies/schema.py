@@ -207,6 +207,35 @@ class RecoverySettings(_Model):
     on_exhausted: OnExhausted = "stop"
     """When the budget is spent: 'stop' the job and page, or 'hold' (keep it stopped for a
     human)."""
+    grade_baseline: Annotated[Literal["run", "absolute"], _one_of("run", "absolute")] = "run"
+    """What 'healthy' means for a rollback target when no checkpoint meets min_grade: 'run' (the
+    run's own healthy baseline: the median grade of its graded checkpoints before the incident,
+    capped at min_grade; a small healthy model grades S2-S3 and must not escalate at its first
+    incident only because of the grade scale) or 'absolute' (min_grade only: nothing meets it,
+    the incident escalates)."""
+    recur_window_steps: StepCount = 2
+    """A recover decision of the same rule within this many steps of the previous attempt's is a
+    recurrence candidate (reports are asynchronous: a crashed rank's last step can lag a step)."""
+    recur_tolerance: (
+        Annotated[float, Field(ge=0, le=1, strict=True, allow_inf_nan=False)] | None
+    ) = 1e-3
+    """A recurrence also needs the same measured value: both non-finite, both absent (a crash, a
+    hang), or equal within this relative tolerance; otherwise it is a new attempt, not a
+    deterministic fault (after a rollback a windowed rule refills and can fire at the same
+    sampled step by coincidence of the sampling grid). null: the value is not compared."""
+    rewarm_steps: StepCount = 50
+    """After an optimizer reset, ramp the LR multiplier linearly from 1/rewarm_steps of the plan's
+    LR scale to all of it over the generation's first rewarm_steps optimizer steps (fresh Adam
+    state at the full LR makes the first resumed steps jump); 0: the full LR at once."""
+    probation_kinds: Annotated[Literal["own", "incident"], _one_of("own", "incident")] = "own"
+    """A recover decision during probation: 'own' (a fault of the other kind, numerical against
+    crash or hang, closes the incident as superseded and opens its own with its rule's settings;
+    another rule of the same kind is the next attempt under the firing rule's settings) or
+    'incident' (every one is the open incident's next attempt, with its settings)."""
+    lr_restore_steps: StepCount = 0
+    """When an incident's probation passes, give its LR cut back: the scale returns to what it
+    was before the incident, linearly over this many steps (a permanent cut costs final loss);
+    0: a cut is permanent."""
 
     def lr_factor(self, attempt: int) -> float:
         """The factor of attempt ``attempt`` (0-based)."""

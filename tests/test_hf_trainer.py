@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TEST_TIMEOUTS, events, reports
+from spikeguard.policies.schema import RecoverySettings
 
 pytest.importorskip("transformers")
 
@@ -113,7 +114,9 @@ def test_trainer_callback_reports_grades_and_rolls_back_into_the_trainers_checkp
         seen = json.loads((observed / f"gen{gen}-rank{rank}.json").read_text())
         assert seen["global_step"] == rollback["checkpoint_step"], seen
         assert seen["optimizer_state_at_first_step"] == 0, seen
-        assert seen["lr_used"] == pytest.approx(0.5 * seen["lr_schedule"], rel=1e-9), seen
+        # the first step after the optimizer reset re-warms: 1/rewarm_steps of the cut LR
+        rewarm = RecoverySettings().rewarm_steps
+        assert seen["lr_used"] == pytest.approx(0.5 * seen["lr_schedule"] / rewarm, rel=1e-9), seen
         first = json.loads((observed / f"gen1-rank{rank}.json").read_text())
         assert first["global_step"] == 0 and first["lr_used"] == pytest.approx(
             first["lr_schedule"], rel=1e-9

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import TEST_TIMEOUTS, events, read_jsonl, reports
+from spikeguard.policies.schema import RecoverySettings
 from spikeguard.workers import checkpoint as ckpt
 
 pytest.importorskip("lightning")
@@ -23,6 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "lightning_rank.py"
 POLICY = ROOT / "examples" / "lightning_diverge.policy.yaml"
 TINY = ["--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "4"]
+
+REWARM = RecoverySettings().rewarm_steps
+"""The re-warm-up after an optimizer reset (the policies here leave the default)."""
 
 
 def _fit(tmp: Path, monkeypatch: pytest.MonkeyPatch, steps: int) -> list[dict[str, Any]]:
@@ -254,7 +258,8 @@ def test_a_collapse_under_lightning_rolls_back_into_its_own_checkpoint(
         assert seen["global_step_at_start"] == back + 1
         assert seen["optimizer_state_entries_at_start"] == 0
         assert seen["scheduled_lr"] == pytest.approx(lr_at(back + 1, args), rel=1e-9)
-        assert seen["lr_in_step"] == [pytest.approx(0.5 * lr_at(back + 1, args), rel=1e-9)]
+        # the first step after the optimizer reset re-warms: 1/REWARM of the cut LR
+        assert seen["lr_in_step"] == [pytest.approx(0.5 * lr_at(back + 1, args) / REWARM, rel=1e-9)]
         assert seen["adam_step_after_first_step"] == 1
         before = json.loads((observed / f"gen1-rank{rank}.json").read_text())
         assert before["lr_in_step"] == [pytest.approx(lr_at(0, args), rel=1e-9)]
@@ -265,4 +270,9 @@ def test_a_collapse_under_lightning_rolls_back_into_its_own_checkpoint(
     assert all(m["lr_scale"] == pytest.approx(0.5) and m["optimizer_reset"] for m in resumed)
     beats = [m for m in gen2 if m["type"] in ("heartbeat", "report") and m["rank"] == 0]
     assert [m["step"] for m in beats] == list(range(back + 1, steps))
-    assert all(m["lr"] == pytest.approx(0.5 * lr_at(m["step"], args), rel=1e-6) for m in beats)
+    # the reported LR is the one each step used: the re-warm-up ramp, then the cut schedule
+    ramp = [min(1.0, (m["step"] - back) / REWARM) for m in beats]
+    assert all(
+        m["lr"] == pytest.approx(0.5 * lr_at(m["step"], args) * r, rel=1e-6)
+        for m, r in zip(beats, ramp)
+    )

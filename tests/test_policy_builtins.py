@@ -65,6 +65,12 @@ def test_recovery_defaults_are_the_supervisor_contract():
         "max_attempts": 3,
         "max_incidents": 10,
         "on_exhausted": "stop",
+        "grade_baseline": "run",
+        "recur_window_steps": 2,
+        "recur_tolerance": 0.001,
+        "rewarm_steps": 50,
+        "probation_kinds": "own",
+        "lr_restore_steps": 0,
     }
 
 

@@ -7,6 +7,7 @@ without being wired (and checked here) fails the suite.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 import typing
@@ -158,6 +159,45 @@ def check_on_exhausted(per_rule: bool) -> None:
     assert rc.step(state, rc.Recover("nan", "x", 1200, s)).state.phase is rc.Phase.HOLDING
 
 
+def check_grade_baseline(per_rule: bool) -> None:
+    s = settings_of(recovery_yaml("grade_baseline", "absolute", per_rule=per_rule))
+    assert drive(s)[1].effects[0].grade_baseline == "absolute"
+
+
+def check_recur_window_steps(per_rule: bool) -> None:
+    s = settings_of(recovery_yaml("recur_window_steps", "5", per_rule=per_rule))
+    state = drive(s)[3].state  # in probation after the incident at step 1000
+    again = rc.step(state, rc.Recover("nan", "x", 1004, s))  # within 5 steps: a recurrence
+    assert again.state.phase is rc.Phase.ESCALATED and again.events[-1]["fail_fast"]
+
+
+def check_recur_tolerance(per_rule: bool) -> None:
+    s = settings_of(recovery_yaml("recur_tolerance", "0.5", per_rule=per_rule))
+    state = drive(s)[3].state
+    state = dataclasses.replace(state, incident=dataclasses.replace(state.incident, value=1.0))
+    again = rc.step(state, rc.Recover("nan", "x", 1000, s, details={"value": 1.2}))
+    assert again.state.phase is rc.Phase.ESCALATED  # 1.2 is 1.0 within a relative 0.5
+
+
+def check_rewarm_steps(per_rule: bool) -> None:
+    s = settings_of(recovery_yaml("rewarm_steps", "7", per_rule=per_rule))
+    assert drive(s)[2].effects[0].plan.rewarm_steps == 7
+
+
+def check_probation_kinds(per_rule: bool) -> None:
+    s = settings_of(recovery_yaml("probation_kinds", "incident", per_rule=per_rule))
+    state = drive(s)[3].state
+    crash = rc.step(state, rc.Recover("crash", "x", 1100, s, fault=True))
+    assert [e["kind"] for e in crash.events] == ["probation_failed", "incident"]
+    assert crash.state.incident.id == "inc-001"  # not superseded: the same incident's attempt 2
+
+
+def check_lr_restore_steps(per_rule: bool) -> None:
+    s = settings_of(recovery_yaml("lr_restore_steps", "20", per_rule=per_rule))
+    plan = drive(s)[2].effects[0].plan
+    assert (plan.lr_restore_steps, plan.lr_restore_to) == (20, 1.0)
+
+
 RECOVERY = {
     "min_grade": check_min_grade,
     "min_steps_back": check_min_steps_back,
@@ -170,6 +210,12 @@ RECOVERY = {
     "max_attempts": check_max_attempts,
     "max_incidents": check_max_incidents,
     "on_exhausted": check_on_exhausted,
+    "grade_baseline": check_grade_baseline,
+    "recur_window_steps": check_recur_window_steps,
+    "recur_tolerance": check_recur_tolerance,
+    "rewarm_steps": check_rewarm_steps,
+    "probation_kinds": check_probation_kinds,
+    "lr_restore_steps": check_lr_restore_steps,
 }
 
 

@@ -194,7 +194,8 @@ class Session:
 
     @property
     def lr_scale(self) -> float:
-        """The LR multiplier in force (the plan's, once :meth:`resume` installed it)."""
+        """The plan's LR scale, once :meth:`resume` installed it (the multiplier in force but for
+        a re-warm-up after an optimizer reset, or a cut being given back after probation)."""
         return self._lr.value
 
     @lr_scale.setter
@@ -228,12 +229,16 @@ class Session:
         ``extra``: more JSON-able metrics, sent in the message under ``extra``.
         ``tokens``: the tokens this rank processed in this step (the live view's tokens/s).
         ``total_steps``: how many steps the script trains (the live view's ETA).
+        ``lr``: the script's own (unscaled) LR; the message carries the effective one, times the
+        multiplier the step's optimizer step used (the plan's scale, its re-warm-up after an
+        optimizer reset, an LR cut being given back after probation).
         """
         self._launch.await_release()
         self._requests.take()
         s = self._sampler.next_step if step is None else int(step)
         loss_f, gn_f = _num(loss), _num(grad_norm)
-        eff_lr = None if lr is None else float(lr) * self._lr.value
+        eff_lr = None if lr is None else float(lr) * self._lr.in_force
+        self._lr.feed(s)
         if batch_ids is not None:
             self._requests.record(s, batch_ids)
         fields: dict[str, Any] = {"loss": loss_f, "lr": eff_lr, "grad_norm": gn_f}

@@ -116,7 +116,8 @@ class Effects:
         return None if path is None else str(path)
 
     def select(self, eff: rc.SelectCheckpoint) -> rc.CheckpointChosen:
-        """The newest checkpoint that qualifies and verifies (read from the sidecars)."""
+        """The newest checkpoint that qualifies and verifies (read from the sidecars), and the
+        grade rule that chose it (``min_grade``, or the run's own baseline)."""
         failed: list[str] = []
 
         def verify(info: choose.CheckpointInfo) -> None:
@@ -126,7 +127,7 @@ class Effects:
                 failed.append(info.path)
                 raise
 
-        chosen, skipped = choose.select_checkpoint(
+        found = choose.select_rollback(
             choose.list_checkpoints(self.paths.ckpt_dir),
             min_grade=eff.min_grade,
             before_step=eff.before_step,
@@ -134,17 +135,20 @@ class Effects:
             lineage=eff.lineage,
             verify_fn=verify,
             fallback_on_corrupt=eff.fallback_on_corrupt,
+            grade_baseline=eff.grade_baseline,
         )
-        passed_over = tuple((s.path, why) for s, why in skipped)
-        if chosen is None:
-            corrupt = failed[-1] if failed and not eff.fallback_on_corrupt else None
-            return rc.CheckpointChosen(None, skipped=passed_over, corrupt=corrupt)
+        chosen = found.chosen
+        corrupt = failed[-1] if chosen is None and failed and not eff.fallback_on_corrupt else None
         return rc.CheckpointChosen(
-            chosen.path,
-            step=chosen.step,
-            sha256=chosen.sha256,
-            grade=chosen.grade,
-            skipped=passed_over,
+            chosen.path if chosen else None,
+            step=chosen.step if chosen else None,
+            sha256=chosen.sha256 if chosen else None,
+            grade=chosen.grade if chosen else None,
+            skipped=tuple((s.path, why) for s, why in found.skipped),
+            corrupt=corrupt,
+            grade_rule=found.grade_rule,
+            grade_bar=found.grade_bar,
+            baseline_of=found.baseline_of,
         )
 
     def launch(self, eff: rc.Launch) -> rc.Observation:

@@ -43,6 +43,9 @@ class Kind(str, enum.Enum):
     """The window passed: the incident is resolved."""
     PROBATION_FAILED = "probation_failed"
     """Another recover decision inside the window: the attempt failed."""
+    PROBATION_SUPERSEDED = "probation_superseded"
+    """A fault of the other kind inside the window (a divergence in a crash's probation, a crash
+    in a divergence's): the incident ends, and the fault opens its own incident."""
     ESCALATED = "escalated"
     """Automatic recovery gave up (budget spent, no healthy checkpoint, a recurring fault)."""
     COMPLETED = "completed"
@@ -110,6 +113,7 @@ READERS: dict[Kind, Reader] = {
     Kind.PROBATION_PROGRESS: _T,
     Kind.PROBATION_PASSED: _S | _T,
     Kind.PROBATION_FAILED: _S | _T,
+    Kind.PROBATION_SUPERSEDED: _S | _T,
     Kind.ESCALATED: _S | _T | _X,
     Kind.COMPLETED: _S | _E | _X,
     Kind.FAILED: _S | _T | _E | _X,
@@ -164,6 +168,13 @@ class Code(str, enum.Enum):
     PROBATION_WINDOW = "probation_window"
     PROBATION_PROGRESS = "probation_progress"
     RECOVER_IN_PROBATION = "recover_in_probation"
+    OTHER_RULE_IN_PROBATION = "other_rule_in_probation"
+    """Another rule of the same kind fired in probation: the next attempt, under its settings."""
+    SAME_STEP_OTHER_VALUE = "same_step_other_value"
+    """The same rule at the same step, measuring another value: a new attempt, not a
+    deterministic fault (the sampling grid brought it to the same step)."""
+    OTHER_KIND_IN_PROBATION = "other_kind_in_probation"
+    """A fault of the other kind in probation: the incident is superseded by its own."""
     WINDOW_PASSED = "window_passed"
     FINISHED_IN_PROBATION = "finished_in_probation"
     # giving up

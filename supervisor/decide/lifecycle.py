@@ -36,6 +36,9 @@ class Outcome(str, enum.Enum):
     """The job failed during it (a crash no rule recovers, launches that kept failing)."""
     STOPPED = "stopped"
     """The run was stopped during it (``spikeguard stop``, Ctrl-C, a policy ``stop`` rule)."""
+    SUPERSEDED = "superseded"
+    """A fault of the other kind came in its probation and opened its own incident (a
+    divergence after a crash's relaunch): this one's recovery worked, the new one carries on."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,8 @@ LIFECYCLE: dict[Kind, Step] = {
     Kind.PROBATION_FAILED: Step(IncidentState.RECOVERING),
     Kind.PROBATION_START: Step(IncidentState.PROBATION),
     Kind.PROBATION_PASSED: Step(IncidentState.RESOLVED, Outcome.RESOLVED),
+    # its relaunch trained on until another kind of fault, which is an incident of its own
+    Kind.PROBATION_SUPERSEDED: Step(IncidentState.RESOLVED, Outcome.SUPERSEDED),
     Kind.ESCALATED: Step(IncidentState.ESCALATED, Outcome.ESCALATED),
     Kind.FAILED: Step(IncidentState.ESCALATED, Outcome.FAILED),
     # a stop ends the incident; its thread keeps its state, and says the run was stopped

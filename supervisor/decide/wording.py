@@ -43,6 +43,12 @@ def _corrupt_checkpoint(f: Values, c: Values) -> str:
 
 
 def _no_healthy_checkpoint(f: Values, c: Values) -> str:
+    if c.get("baseline") is not None:
+        return (
+            f"no checkpoint graded >= S{c['min_grade']}, nor >= S{c['baseline']} (this run's "
+            f"baseline, the median of {c['baseline_of']} graded checkpoints), at least "
+            f"{c['min_steps_back']} steps before step {c['step']} verifies"
+        )
     return (
         f"no checkpoint graded >= S{c['min_grade']} at least {c['min_steps_back']} steps before "
         f"step {c['step']} verifies"
@@ -112,6 +118,12 @@ def _restart_from_start(f: Values, c: Values) -> str:
 def _checkpoint_chosen(f: Values, c: Values) -> str:
     if c["fault"]:
         return f"newest checkpoint that verifies (any grade) at or before step {c['step']}"
+    if f.get("grade_rule") == "run baseline":
+        return (
+            f"newest checkpoint graded S{f['grade']} >= S{f['grade_bar']} before step "
+            f"{c['step']}: none reaches S{c['min_grade']}, so healthy is this run's own baseline "
+            f"(the median grade of its {f['baseline_of']} graded checkpoints)"
+        )
     return f"newest checkpoint graded S{f['grade']} >= S{c['min_grade']} before step {c['step']}"
 
 
@@ -137,8 +149,59 @@ def _probation_progress(f: Values, c: Values) -> str:
     )
 
 
-def _recover_in_probation(f: Values, c: Values) -> str:
-    return f"{f['rule']}: {c['reason']}"
+def _recover_in_probation(then: str = "") -> Wording:
+    """The rule that fired in probation and its reason, then ``then`` (``{rule}``: its name)."""
+
+    def word(f: Values, c: Values) -> str:
+        return f"{f['rule']}: {c['reason']}" + then.format(rule=f["rule"])
+
+    return word
+
+
+def _same_step_other_value(f: Values, c: Values) -> str:
+    return (
+        f"{f['rule']}: {c['reason']}; at step {f['step']} (the last attempt fired at "
+        f"{c['first_step']}) it measured {_value(f.get('value'))}, the last attempt "
+        f"{_value(c['first_value'])}: not the same fault, so a new attempt, not a fail-fast"
+    )
+
+
+def _value(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def _kind_of(fault: Any) -> str:
+    return "a crash or a hang" if fault else "a numerical fault"
+
+
+def _other_kind_in_probation(f: Values, c: Values) -> str:
+    return (
+        f"{f['rule']} ({_kind_of(f['fault'])}) at step {f['step']}, in the probation of "
+        f"{c['incident_rule']} ({_kind_of(c['incident_fault'])}): {c['reason']}; it opens "
+        "its own incident, recovered with its own rule's settings"
+    )
+
+
+def _probation_passed(text: str) -> Wording:
+    """A probation that passed (``text``), and the LR cut it gives back, if any."""
+
+    def word(f: Values, c: Values) -> str:
+        if "lr_restored_from" not in f:
+            return text
+        return (
+            f"{text}; the LR scale returns from {f['lr_restored_from']:.4g} to "
+            f"{f['lr_scale']:.4g} over {f['lr_restore_steps']} steps from step "
+            f"{f['lr_restore_from_step']}"
+        )
+
+    return word
+
+
+def _optimizer_reset(f: Values, c: Values) -> str:
+    text = "optimizer moments may carry the instability"
+    if f.get("rewarm_steps"):
+        return f"{text}; the LR re-warms over the first {f['rewarm_steps']} steps"
+    return text
 
 
 def _teardown_exit(f: Values, c: Values) -> str:
@@ -210,22 +273,25 @@ WORDING: dict[tuple[Kind, Code], Wording] = {
     (Kind.ROLLBACK, Code.CORRUPT_CHECKPOINT): _corrupt_checkpoint,
     (Kind.ROLLBACK, Code.NO_HEALTHY_CHECKPOINT): _no_healthy_checkpoint,
     (Kind.LR_CUT, Code.LR_CUT): _lr_cut,
-    (Kind.OPTIMIZER_RESET, Code.OPTIMIZER_RESET): _fixed(
-        "optimizer moments may carry the instability"
-    ),
+    (Kind.OPTIMIZER_RESET, Code.OPTIMIZER_RESET): _optimizer_reset,
     (Kind.LAUNCH, Code.INITIAL_LAUNCH): _fixed("initial launch"),
     (Kind.LAUNCH, Code.RELAUNCH_AFTER_ROLLBACK): _relaunched(""),
     (Kind.LAUNCH, Code.RELAUNCH_AFTER_LAUNCH_FAILURE): _relaunched(" after a launch failure"),
     (Kind.LAUNCH, Code.RELAUNCH_AFTER_RESTART): _relaunched(" after a supervisor restart"),
     (Kind.PROBATION_START, Code.PROBATION_WINDOW): _probation_window,
     (Kind.PROBATION_PROGRESS, Code.PROBATION_PROGRESS): _probation_progress,
-    (Kind.PROBATION_PASSED, Code.WINDOW_PASSED): _fixed(
+    (Kind.PROBATION_PASSED, Code.WINDOW_PASSED): _probation_passed(
         "no second incident in the probation window"
     ),
-    (Kind.PROBATION_PASSED, Code.FINISHED_IN_PROBATION): _fixed(
+    (Kind.PROBATION_PASSED, Code.FINISHED_IN_PROBATION): _probation_passed(
         "training finished inside the probation window without a second incident"
     ),
-    (Kind.PROBATION_FAILED, Code.RECOVER_IN_PROBATION): _recover_in_probation,
+    (Kind.PROBATION_FAILED, Code.RECOVER_IN_PROBATION): _recover_in_probation(),
+    (Kind.PROBATION_FAILED, Code.OTHER_RULE_IN_PROBATION): _recover_in_probation(
+        "; the next attempt uses {rule}'s recovery settings"
+    ),
+    (Kind.PROBATION_FAILED, Code.SAME_STEP_OTHER_VALUE): _same_step_other_value,
+    (Kind.PROBATION_SUPERSEDED, Code.OTHER_KIND_IN_PROBATION): _other_kind_in_probation,
     (Kind.COMPLETED, Code.ALL_RANKS_FINISHED): _fixed("all ranks finished"),
     (Kind.STOPPED, Code.STOP_REQUESTED): _given,
     (Kind.ALERT, Code.TEARDOWN_EXIT): _teardown_exit,

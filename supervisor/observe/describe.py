@@ -232,6 +232,9 @@ def _rollback(f: _Fields) -> str:
     if not chosen:
         return f.because(f.bold("No checkpoint to roll back to")) + tail
     grade = f.esc(grade_text(f.get("grade")))
+    if f.get("grade_rule") == "run baseline":  # nothing reached min_grade: the run's own bar
+        bar = f.esc(grade_text(f.get("grade_bar")))
+        grade += f", healthy by this run's baseline {bar}, the median of {f.num('baseline_of')}"
     return f"{f.bold('Rolled back')} to step {f.num('checkpoint_step')} ({grade}){tail}"
 
 
@@ -268,6 +271,10 @@ def _probation_passed(f: _Fields) -> str:
 
 def _probation_failed(f: _Fields) -> str:
     return f.because(f"{f.bold('Probation failed')} at step {f.num('step')}")
+
+
+def _probation_superseded(f: _Fields) -> str:
+    return f.because(f"{f.bold('Superseded')} at step {f.num('step')}")
 
 
 def _completed(f: _Fields) -> str:
@@ -328,6 +335,7 @@ TEMPLATES: dict[Kind, Callable[[_Fields], str]] = {
     Kind.PROBATION_PROGRESS: _probation_progress,
     Kind.PROBATION_PASSED: _probation_passed,
     Kind.PROBATION_FAILED: _probation_failed,
+    Kind.PROBATION_SUPERSEDED: _probation_superseded,
     Kind.ESCALATED: _headline("ESCALATED"),
     Kind.COMPLETED: _completed,
     Kind.FAILED: _failed,

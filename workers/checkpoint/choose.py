@@ -8,7 +8,9 @@
   DCP ``.metadata``;
 * :func:`on_lineage` says whether a checkpoint lies on the path the current launch descends from;
 * :func:`select_checkpoint` chooses the rollback target: the newest checkpoint that qualifies,
-  with the reason each newer one was passed over.
+  with the reason each newer one was passed over; :func:`select_rollback` also judges "healthy"
+  against the run's own baseline (:func:`run_baseline`) where the absolute grade is out of
+  reach.
 
 Everything here is pure apart from reading files, through the directory's
 :class:`~.storage.Storage` (:func:`~.storage.storage_for` it, unless one is given); nothing is
@@ -17,9 +19,13 @@ written or removed.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
+import statistics
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 from . import commit, pickle_scan
 from .format import (
@@ -35,6 +41,9 @@ from .format import (
 )
 from .integrity import open_checked
 from .storage import NotRegularFile, Storage, stat_file, storage_for
+
+if TYPE_CHECKING:  # Python 3.10 has no typing.Unpack; the annotations are never evaluated
+    from typing_extensions import Unpack
 
 
 def _order(info: CheckpointInfo) -> tuple[int, int, int, str]:
@@ -253,8 +262,10 @@ def _skip_reason(
     step_limit: int | None,
     min_steps_back: int,
     lineage: Sequence[tuple[int, int | None]] | None,
+    bar_name: str = "",
 ) -> str | None:
-    """Why ``info`` does not qualify before verification, or None if it might."""
+    """Why ``info`` does not qualify before verification, or None if it might (``bar_name``:
+    what the grade bar is, after its value)."""
     if lineage is not None and not on_lineage(lineage, info.generation, info.step):
         return f"generation {info.generation} step {info.step} is off the current lineage"
     if step_limit is not None and info.step > step_limit:
@@ -264,36 +275,31 @@ def _skip_reason(
     if info.grade is None:
         return "ungraded (no integer 'grade' in meta)"
     if info.grade < min_grade:
-        return f"grade {info.grade} < min_grade {min_grade}"
+        return f"grade {info.grade} < min_grade {min_grade}{bar_name}"
     return None
 
 
-def select_checkpoint(
+@dataclasses.dataclass(frozen=True)
+class _Search:
+    """One pass over the checkpoints, newest first: the choice, what was passed over, and
+    whether a failed verification ended it (``fallback_on_corrupt`` False)."""
+
+    chosen: CheckpointInfo | None
+    skipped: list[tuple[CheckpointInfo, str]]
+    stopped: bool = False
+
+
+def _search(
     infos: list[CheckpointInfo],
     *,
     min_grade: int | None,
     before_step: int | None,
-    min_steps_back: int = 0,
-    lineage: Sequence[tuple[int, int | None]] | None = None,
-    verify_fn: Callable[[CheckpointInfo], None] = verify,
-    fallback_on_corrupt: bool = True,
-) -> tuple[CheckpointInfo | None, list[tuple[CheckpointInfo, str]]]:
-    """Choose the checkpoint to roll back to; pass it one rank's checkpoints.
-
-    The choice is the newest (by step, then generation) checkpoint that
-
-    * lies on ``lineage`` (see :func:`on_lineage`), if ``lineage`` is given;
-    * has step <= ``before_step - min_steps_back`` (no bound if ``before_step`` is None);
-    * has grade >= ``min_grade`` (ungraded checkpoints never qualify; ``min_grade`` None: any
-      grade, ungraded included);
-    * passes ``verify_fn``: a :class:`CheckpointError` from it falls back to older checkpoints
-      (with ``fallback_on_corrupt`` False it ends the search: nothing is chosen), any other
-      error propagates.
-
-    Returns (the choice or None, [(skipped, reason)] for each newer checkpoint passed over, for the
-    journal). Pure apart from ``verify_fn``. Raises ValueError if ``min_steps_back`` is negative,
-    or non-zero without ``before_step``.
-    """
+    min_steps_back: int,
+    lineage: Sequence[tuple[int, int | None]] | None,
+    verify_fn: Callable[[CheckpointInfo], None],
+    fallback_on_corrupt: bool,
+    bar_name: str = "",
+) -> _Search:
     if min_steps_back < 0 or (before_step is None and min_steps_back):
         raise ValueError(f"min_steps_back={min_steps_back} must be >= 0, and 0 without before_step")
     step_limit = None
@@ -307,6 +313,7 @@ def select_checkpoint(
             step_limit=step_limit,
             min_steps_back=min_steps_back,
             lineage=lineage,
+            bar_name=bar_name,
         )
         if reason is not None:
             skipped.append((info, reason))
@@ -316,7 +323,144 @@ def select_checkpoint(
         except CheckpointError as e:
             skipped.append((info, f"failed verification: {e}"))
             if not fallback_on_corrupt:
-                return None, skipped
+                return _Search(None, skipped, stopped=True)
             continue
-        return info, skipped
-    return None, skipped
+        return _Search(info, skipped)
+    return _Search(None, skipped)
+
+
+class SearchRules(TypedDict, total=False):
+    """The rest of what a checkpoint must satisfy (see :func:`select_rollback`)."""
+
+    min_steps_back: int
+    lineage: Sequence[tuple[int, int | None]] | None
+    verify_fn: Callable[[CheckpointInfo], None]
+    fallback_on_corrupt: bool
+
+
+def select_checkpoint(
+    infos: list[CheckpointInfo],
+    *,
+    min_grade: int | None,
+    before_step: int | None,
+    **rules: Unpack[SearchRules],
+) -> tuple[CheckpointInfo | None, list[tuple[CheckpointInfo, str]]]:
+    """Choose the checkpoint to roll back to; pass it one rank's checkpoints.
+
+    The choice is the newest (by step, then generation) checkpoint that
+
+    * lies on ``lineage`` (see :func:`on_lineage`), if ``lineage`` is given;
+    * has step <= ``before_step - min_steps_back`` (no bound if ``before_step`` is None);
+    * has grade >= ``min_grade`` (ungraded checkpoints never qualify; ``min_grade`` None: any
+      grade, ungraded included);
+    * passes ``verify_fn`` (default :func:`verify`): a :class:`CheckpointError` from it falls
+      back to older checkpoints (with ``fallback_on_corrupt`` False it ends the search: nothing
+      is chosen), any other error propagates.
+
+    Returns (the choice or None, [(skipped, reason)] for each newer checkpoint passed over, for the
+    journal). Pure apart from ``verify_fn``. Raises ValueError if ``min_steps_back`` is negative,
+    or non-zero without ``before_step``. :func:`select_rollback` can also judge the grade
+    against the run's own baseline.
+    """
+    found = select_rollback(infos, min_grade=min_grade, before_step=before_step, **rules)
+    return found.chosen, found.skipped
+
+
+def run_baseline(
+    infos: Sequence[CheckpointInfo],
+    *,
+    before_step: int | None,
+    lineage: Sequence[tuple[int, int | None]] | None,
+) -> tuple[int, int] | None:
+    """The run's own healthy grade: (the median grade of its graded checkpoints on ``lineage``
+    before ``before_step``, how many it is the median of), or None when none is graded.
+
+    One grade per saved step (a checkpoint each rank wrote counts once); ungraded checkpoints do
+    not count. The lower median: a bar the run met at least half the time it saved."""
+    grades: dict[tuple[int, int], int] = {}
+    for info in infos:
+        if info.grade is None or (before_step is not None and info.step >= before_step):
+            continue
+        if lineage is not None and not on_lineage(lineage, info.generation, info.step):
+            continue
+        grades.setdefault((info.generation, info.step), info.grade)
+    if not grades:
+        return None
+    return statistics.median_low(grades.values()), len(grades)
+
+
+GradeRule = Literal["absolute", "run baseline"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollback:
+    """The rollback target :func:`select_rollback` chose, and by which rule."""
+
+    chosen: CheckpointInfo | None
+    skipped: list[tuple[CheckpointInfo, str]]
+    """(checkpoint, why) of each newer one passed over (under the rule that decided)."""
+    grade_rule: GradeRule | None
+    """``"absolute"``: graded at least ``min_grade``; ``"run baseline"``: nothing was, and the
+    bar became the run's own healthy baseline; None: any grade (``min_grade`` None)."""
+    grade_bar: int | None
+    """The grade the choice had to meet."""
+    baseline_of: int | None = None
+    """How many graded checkpoints the baseline is the median of (None: not computed)."""
+    stopped: bool = False
+    """A failed verification ended the search (``fallback_on_corrupt`` False)."""
+
+
+def select_rollback(
+    infos: list[CheckpointInfo],
+    *,
+    min_grade: int | None,
+    before_step: int | None,
+    min_steps_back: int = 0,
+    lineage: Sequence[tuple[int, int | None]] | None = None,
+    verify_fn: Callable[[CheckpointInfo], None] = verify,
+    fallback_on_corrupt: bool = True,
+    grade_baseline: Literal["run", "absolute"] = "absolute",
+) -> Rollback:
+    """:func:`select_checkpoint`, and with ``grade_baseline`` "run", when nothing meets
+    ``min_grade``, again with the bar lowered to the run's own healthy baseline
+    (:func:`run_baseline` before ``before_step``, capped at ``min_grade``): a healthy small model
+    grades S2-S3, and an absolute S4 would make its first incident escalate. Each checkpoint is
+    verified at most once. Says which rule chose, with the bar."""
+    search = functools.partial(
+        _search,
+        infos,
+        before_step=before_step,
+        min_steps_back=min_steps_back,
+        lineage=lineage,
+        verify_fn=_verified_once(verify_fn),
+        fallback_on_corrupt=fallback_on_corrupt,
+    )
+    first = search(min_grade=min_grade)
+    rule: GradeRule | None = None if min_grade is None else "absolute"
+    absolute = Rollback(first.chosen, first.skipped, rule, min_grade, stopped=first.stopped)
+    if first.chosen is not None or first.stopped or min_grade is None or grade_baseline != "run":
+        return absolute
+    baseline = run_baseline(infos, before_step=before_step, lineage=lineage)
+    if baseline is None or baseline[0] >= min_grade:
+        return dataclasses.replace(absolute, baseline_of=baseline[1] if baseline else None)
+    bar, n = baseline
+    found = search(min_grade=bar, bar_name=" (the run's baseline)")
+    return Rollback(found.chosen, found.skipped, "run baseline", bar, n, found.stopped)
+
+
+def _verified_once(verify_fn: Callable[[CheckpointInfo], None]) -> Callable[[CheckpointInfo], None]:
+    """``verify_fn``, remembering each checkpoint's outcome (a second look costs nothing)."""
+    seen: dict[str, CheckpointError | None] = {}
+
+    def verify_once(info: CheckpointInfo) -> None:
+        if info.path not in seen:
+            try:
+                verify_fn(info)
+                seen[info.path] = None
+            except CheckpointError as e:
+                seen[info.path] = e
+        failed = seen[info.path]
+        if failed is not None:
+            raise failed
+
+    return verify_once

@@ -5,7 +5,8 @@ reset, the LR scale and the batches to skip.
   supervisor releases it (:mod:`spikeguard.workers.standby`), and waits for that release the
   first time anything needs the plan;
 * :class:`LrScale` installs the plan's LR scale as optimizer step hooks, so that it survives any
-  LR schedule;
+  LR schedule (with its re-warm-up after an optimizer reset, and the cut given back after
+  probation);
 * :class:`BatchSkips` says whether a batch is one the plan skips (by step, or by its ids);
 * :class:`Resume` applies the plan: loads the checkpoint (or lets a framework load it), installs
   the scale, counts steps from the right one and tells the supervisor (``resumed``).
@@ -80,32 +81,80 @@ class LaunchPlan:
 
 
 class LrScale:
-    """The plan's LR multiplier, applied to optimizer steps by pre/post hooks."""
+    """The plan's LR multiplier, applied to optimizer steps by pre/post hooks: its scale, ramped
+    up over a re-warm-up after an optimizer reset (``rewarm_steps``, counted in this generation's
+    optimizer steps) and, once the incident's probation is over, returning to the scale before
+    the cut (``lr_restore_*``, against the training step :meth:`feed` gives it)."""
 
     def __init__(self) -> None:
         self.value = 1.0
-        """The multiplier in force (1.0 until a plan says otherwise)."""
+        """The plan's LR scale (1.0 until a plan says otherwise); the multiplier in force
+        without a re-warm-up or a restore."""
+        self._plan: contract.ResumePlan | None = None
+        """The plan whose re-warm-up and restore apply (None: :attr:`value` alone)."""
+        self.optimizer_steps = 0
+        """Optimizer steps taken since launch (the most of any scaled optimizer)."""
+        self._next_step = 0
+        """The training step the next optimizer step belongs to."""
+        self._used: float | None = None
+        """The multiplier the latest optimizer step used (None: no step yet)."""
         self._scaled: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         """Optimizers whose steps carry the hooks."""
         self._handles: list[Any] = []
 
+    def configure(self, plan: contract.ResumePlan, start: int) -> None:
+        """Take ``plan``'s scale, re-warm-up and restore; training resumes at step ``start``."""
+        self.value = float(plan.lr_scale)
+        self._plan = plan if plan.rewarm_steps or plan.lr_restore_from is not None else None
+        self._next_step = start
+
+    def feed(self, step: int) -> None:
+        """Training step ``step`` finished (``Session.step``): the next one is ``step + 1``."""
+        self._next_step = step + 1
+
+    def multiplier(self, optimizer_steps: int | None = None) -> float:
+        """The multiplier of the next optimizer step (after ``optimizer_steps`` of them; None:
+        :attr:`optimizer_steps`)."""
+        if self._plan is None:
+            return self.value
+        taken = self.optimizer_steps if optimizer_steps is None else optimizer_steps
+        ramp = self._plan.rewarm_factor(taken)
+        restoring = self._plan.lr_restore_from is not None
+        return ramp * (self._plan.scale_at(self._next_step) if restoring else self.value)
+
+    @property
+    def in_force(self) -> float:
+        """The multiplier the latest optimizer step used (before any: the next one's): what
+        ``Session.step`` multiplies the script's LR by to report the effective LR."""
+        return self.multiplier() if self._used is None else self._used
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to apply: scale 1, no re-warm-up, no restore."""
+        return self.value == 1.0 and self._plan is None
+
     def apply(self, optimizer: torch.optim.Optimizer) -> None:
         """Scale ``optimizer``'s steps: a pre hook multiplies each group's ``lr`` for the step
         and a post hook puts the schedule's value back after it, so the scale survives any LR
-        schedule. Once per optimizer (a second call does nothing); nothing at scale 1."""
-        if self.value == 1.0 or optimizer in self._scaled:
+        schedule. Once per optimizer (a second call does nothing); nothing when :attr:`idle`.
+        Each optimizer counts its own steps for the re-warm-up."""
+        if self.idle or optimizer in self._scaled:
             return
         self._scaled.add(optimizer)
         saved: list[Any] = []
+        taken = [0]
 
         def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            factor = self._used = self.multiplier(taken[0])
             saved[:] = [g["lr"] for g in opt.param_groups]
             for g in opt.param_groups:
-                g["lr"] = g["lr"] * self.value
+                g["lr"] = g["lr"] * factor
 
         def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             for g, lr in zip(opt.param_groups, saved):
                 g["lr"] = lr
+            taken[0] += 1
+            self.optimizer_steps = max(self.optimizer_steps, taken[0])
 
         self._handles += [
             optimizer.register_step_pre_hook(pre),
@@ -237,7 +286,7 @@ class Resume:
         """``plan`` was applied: install its LR scale on ``optimizer``, count steps from
         ``start``, send ``resumed``."""
         if optimizer is not None:
-            self._lr.value = float(plan.lr_scale)
+            self._lr.configure(plan, start)
             self._lr.apply(optimizer)
         self._sampler.start_at(start)
         waited = self._launch.waited_s
@@ -269,7 +318,7 @@ class Resume:
         if plan.reset_optimizer:
             for optimizer in optimizers:
                 optimizer.state.clear()
-        self._lr.value = float(plan.lr_scale)
+        self._lr.configure(plan, start)
         for optimizer in optimizers:
             self._lr.apply(optimizer)
         self.announce(

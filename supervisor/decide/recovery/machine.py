@@ -14,16 +14,21 @@ The recovery sequence; the handlers below carry these numbers::
 
     1. RUNNING       a recover decision                -> incident; KILLING
     2. KILLING       every rank is dead                 -> kill; ROLLING_BACK
-    3. ROLLING_BACK  a checkpoint was chosen            -> rollback, lr_cut, optimizer_reset;
-                                                           RELAUNCHING
+    3. ROLLING_BACK  a checkpoint was chosen            -> rollback, lr_cut, optimizer_reset
+                        (healthy: min_grade, else the      (with an LR re-warm-up);
+                        run's own baseline)                RELAUNCHING
                      none qualifies                     -> rollback, escalated; ESCALATED
     4. RELAUNCHING   the new generation is up           -> launch, probation_start; PROBATION
-    5. PROBATION     training passed the window         -> probation_passed; RUNNING
+    5. PROBATION     training passed the window         -> probation_passed (an LR cut given
+                                                           back, lr_restore_steps); RUNNING
+                     a fault of the other kind          -> probation_superseded, incident (its
+                                                           own, with its rule's settings); 2
                      another recover decision           -> probation_failed, incident; back to 2
                                                            (KILLING) while the attempt budget
                                                            lasts, else escalated; the same rule
-                                                           at the same step again: escalated at
-                                                           once (a deterministic fault)
+                                                           at the same step measuring the same
+                                                           again: escalated at once (a
+                                                           deterministic fault)
 
 Around it:
 
@@ -49,6 +54,8 @@ Every launch's :class:`ResumePlan` is built by ``_plan``.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -59,7 +66,6 @@ from ..events import Code, Kind, MachineEvent
 from . import codec
 from .model import (
     ACTIVE,
-    RECUR_WINDOW_STEPS,
     TERMINAL,
     CheckpointChosen,
     CheckpointSaved,
@@ -225,6 +231,8 @@ def stage1_incident(state: State, obs: Recover) -> _Step:
         settings=obs.settings,
         fault=obs.fault,
         furthest_step=obs.furthest_step,
+        value=_measured(obs),
+        lr_scale_before=state.lr_scale if obs.settings.lr_restore_steps > 0 else None,
     )
     state = _replace(state, incidents_seen=n)
     settings = inc.settings
@@ -287,14 +295,20 @@ def stage2_killed(state: State, obs: Killed) -> _Step:
 
 def _rollback_select(state: State, inc: Incident) -> SelectCheckpoint:
     """Which checkpoint an incident rolls back to. A numerical incident: the newest graded at
-    least ``min_grade``, ``min_steps_back`` before the incident. A crash or a hang: the newest
-    that verifies, whatever its grade, at or before the furthest step any rank reached."""
+    least ``min_grade`` (or, ``grade_baseline: run`` and none is, the run's own healthy
+    baseline), ``min_steps_back`` before the incident. A crash or a hang: the newest that
+    verifies, whatever its grade, at or before the furthest step any rank reached."""
     s = inc.settings
     if inc.fault:
         furthest = max(inc.step, inc.furthest_step or inc.step)
         return SelectCheckpoint(None, furthest, 0, state.lineage, s.fallback_on_corrupt)
     return SelectCheckpoint(
-        s.min_grade, inc.step, s.min_steps_back, state.lineage, s.fallback_on_corrupt
+        s.min_grade,
+        inc.step,
+        s.min_steps_back,
+        state.lineage,
+        s.fallback_on_corrupt,
+        grade_baseline=s.grade_baseline,
     )
 
 
@@ -312,6 +326,7 @@ def stage3_rollback(state: State, obs: CheckpointChosen) -> _Step:
     scale = state.lr_scale * factor
     skip = _skip_window(inc, obs.step)
     plan = _plan(state, obs, lr_scale=scale, reset_optimizer=s.reset_optimizer, skip=skip)
+    plan = _replace(plan, **_rewarm(s), **_restore(inc, plan))
     inc = _replace(inc, attempts=inc.attempts + 1)
     if obs.path is None:
         code = Code.RESTART_FROM_START
@@ -328,6 +343,7 @@ def stage3_rollback(state: State, obs: CheckpointChosen) -> _Step:
             inc,
             before,
             **_chosen(obs),
+            **({} if inc.fault else _grade_rule(obs, s)),
             skip_ranges=[list(r) for r in plan.skip_ranges],
             **_skip_batches_fields(plan),
             attempt=inc.attempts,
@@ -343,7 +359,8 @@ def stage3_rollback(state: State, obs: CheckpointChosen) -> _Step:
         ),
     ]
     if s.reset_optimizer:
-        events.append(_ev(Kind.OPTIMIZER_RESET, Code.OPTIMIZER_RESET, inc))
+        rewarm = {"rewarm_steps": plan.rewarm_steps} if plan.rewarm_steps else {}
+        events.append(_ev(Kind.OPTIMIZER_RESET, Code.OPTIMIZER_RESET, inc, **rewarm))
     st = _replace(
         state,
         phase=Phase.RELAUNCHING,
@@ -392,6 +409,8 @@ def _no_checkpoint(state: State, inc: Incident, obs: CheckpointChosen) -> _Step:
     else:
         code = Code.NO_HEALTHY_CHECKPOINT
         why = {"min_grade": s.min_grade, "min_steps_back": s.min_steps_back, "step": inc.step}
+        if obs.grade_rule == "run baseline":
+            why.update(baseline=obs.grade_bar, baseline_of=obs.baseline_of)
     rollback = _none_chosen(Kind.ROLLBACK, code, why, inc, obs)
     return _escalate(state, inc, [rollback], code, why, s)
 
@@ -431,6 +450,37 @@ def _chosen(obs: CheckpointChosen) -> dict[str, Any]:
 def _skipped(obs: CheckpointChosen) -> list[dict[str, str]]:
     """The newer checkpoints the choice passed over, and why (as events record them)."""
     return [{"path": p, "reason": r} for p, r in obs.skipped]
+
+
+def _grade_rule(obs: CheckpointChosen, s: Settings) -> dict[str, Any]:
+    """Which rule judged the rollback target healthy (a numerical incident's rollback event):
+    ``absolute`` with the bar (``min_grade``), or ``run baseline`` with the bar and how many
+    graded checkpoints it is the median of."""
+    rule = obs.grade_rule or "absolute"
+    bar = obs.grade_bar if obs.grade_bar is not None else s.min_grade
+    fields: dict[str, Any] = {"grade_rule": rule, "grade_bar": bar}
+    if rule == "run baseline":
+        fields["baseline_of"] = obs.baseline_of
+    return fields
+
+
+def _rewarm(s: Settings) -> dict[str, Any]:
+    """The plan's LR re-warm-up: after an optimizer reset, over ``rewarm_steps`` steps."""
+    return {"rewarm_steps": s.rewarm_steps} if s.reset_optimizer and s.rewarm_steps > 0 else {}
+
+
+def _restore(inc: Incident, plan: ResumePlan) -> dict[str, Any]:
+    """The plan's giving back of the LR cut (``lr_restore_steps``), committed at launch: from
+    the end of probation, back to the scale before the incident. Nothing when the cut is
+    permanent, or there is nothing to give back."""
+    s, before = inc.settings, inc.lr_scale_before
+    if s.lr_restore_steps <= 0 or before is None or before <= plan.lr_scale:
+        return {}
+    return {
+        "lr_restore_from": plan.start_step + s.probation_steps,
+        "lr_restore_steps": s.lr_restore_steps,
+        "lr_restore_to": before,
+    }
 
 
 # ---- 4. RELAUNCHING: the new generation is up
@@ -528,37 +578,61 @@ def stage5_progress(state: State, obs: Progress) -> _Step:
 
 
 def _probation_passed(state: State, at_step: int | None, code: Code) -> _Step:
-    ev = _ev(Kind.PROBATION_PASSED, code, state.incident, step=at_step, lr_scale=state.lr_scale)
+    """The incident is resolved; an LR cut its plan gives back is the run's scale from now on
+    (a later incident cuts from there)."""
+    plan = state.plan
+    restored: dict[str, Any] = {}
+    scale = state.lr_scale
+    if plan is not None and plan.lr_restore_to is not None:
+        restored = {
+            "lr_restored_from": state.lr_scale,
+            "lr_restore_steps": plan.lr_restore_steps,
+            "lr_restore_from_step": plan.lr_restore_from,
+        }
+        scale = plan.lr_restore_to
+    ev = _ev(Kind.PROBATION_PASSED, code, state.incident, step=at_step, lr_scale=scale, **restored)
     st = _replace(
-        state, phase=Phase.RUNNING, incident=None, probation_from=None, probation_until=None
+        state,
+        phase=Phase.RUNNING,
+        incident=None,
+        probation_from=None,
+        probation_until=None,
+        lr_scale=scale,
     )
     return _Step(st, events=(ev,))
 
 
 @_on([Phase.PROBATION], Recover)
 def stage5_probation_failed(state: State, obs: Recover) -> _Step:
-    """5. Another recover decision inside the window: the attempt failed. Back to 2 while the
-    budget lasts; a recurrence of the same rule at the same step fails fast."""
+    """5. Another recover decision inside the window. A fault of the other kind (numerical
+    against a crash or a hang; ``probation_kinds: own``) supersedes the incident: it opens its
+    own, with its rule's settings and budget. Otherwise the attempt failed: back to 2 while the
+    budget lasts (under the firing rule's settings, ``probation_kinds: own``); a recurrence of
+    the same rule at the same step, measuring the same, fails fast."""
     inc = state.incident
     if inc is None:  # a probation without an incident cannot be failed: a new incident
         return stage1_incident(_replace(state, phase=Phase.RUNNING), obs)
-    events = [
-        _ev(
-            Kind.PROBATION_FAILED,
-            Code.RECOVER_IN_PROBATION,
-            inc,
-            {"reason": obs.reason},
-            step=obs.step,
-            rule=obs.rule,
-        )
-    ]
-    if obs.rule == inc.rule and abs(obs.step - inc.step) <= RECUR_WINDOW_STEPS:
+    own = inc.settings.probation_kinds == "own"
+    if own and obs.fault != inc.fault:
+        return _superseded(state, inc, obs)
+    recurrence = _recurrence(inc, obs)
+    code = Code.RECOVER_IN_PROBATION
+    if recurrence is _Recurrence.OTHER_VALUE:
+        code = Code.SAME_STEP_OTHER_VALUE
+    elif own and obs.rule != inc.rule:
+        code = Code.OTHER_RULE_IN_PROBATION
+    given = {"reason": obs.reason, "first_step": inc.step, "first_value": inc.value}
+    measured = {} if obs.fault else {"value": _measured(obs)}
+    failed = _ev(Kind.PROBATION_FAILED, code, inc, given, step=obs.step, rule=obs.rule, **measured)
+    events = [failed]
+    if recurrence is _Recurrence.SAME:
         recurred = {"rule": obs.rule, "first_step": inc.step, "step": obs.step}
         code = Code.RECURRING_FAULT
         return _escalate(state, inc, events, code, recurred, inc.settings, fail_fast=True)
-    if inc.attempts >= inc.settings.max_attempts:
-        spent = {"max_attempts": inc.settings.max_attempts}
-        return _escalate(state, inc, events, Code.BUDGET_SPENT, spent, inc.settings)
+    settings = obs.settings if own else inc.settings
+    if inc.attempts >= settings.max_attempts:
+        spent = {"max_attempts": settings.max_attempts}
+        return _escalate(state, inc, events, Code.BUDGET_SPENT, spent, settings)
     inc = _replace(
         inc,
         rule=obs.rule,
@@ -566,8 +640,82 @@ def stage5_probation_failed(state: State, obs: Recover) -> _Step:
         step=obs.step,
         fault=obs.fault,
         furthest_step=obs.furthest_step,
+        value=_measured(obs),
+        settings=settings,
     )
     return _kill_for(state, inc, obs, events)
+
+
+def _superseded(state: State, inc: Incident, obs: Recover) -> _Step:
+    """A fault of the other kind in ``inc``'s probation: ``inc`` ends (superseded), and the
+    fault opens its own incident (stage 1), recovered with its own rule's settings: a
+    divergence in a crash's probation gets its LR cut and optimizer reset, never the crash's x1."""
+    ended = _ev(
+        Kind.PROBATION_SUPERSEDED,
+        Code.OTHER_KIND_IN_PROBATION,
+        inc,
+        {"reason": obs.reason, "incident_rule": inc.rule, "incident_fault": inc.fault},
+        step=obs.step,
+        rule=obs.rule,
+        fault=obs.fault,
+        lr_scale=state.lr_scale,
+    )
+    running = _replace(
+        state, phase=Phase.RUNNING, incident=None, probation_from=None, probation_until=None
+    )
+    opened = stage1_incident(running, obs)
+    return _replace(opened, events=(ended, *opened.events))
+
+
+class _Recurrence(enum.Enum):
+    """Whether a recover decision in probation repeats the previous attempt's."""
+
+    NO = "no"
+    """Another rule, or another step: an attempt like any other."""
+    SAME = "same"
+    """The same rule at the same step (within ``recur_window_steps``), measuring the same: the
+    fault is deterministic there."""
+    OTHER_VALUE = "other_value"
+    """The same rule at the same step, but the rank measured something else: the sampling grid
+    brought it to the same step (a windowed rule refilled after the rollback), not the fault."""
+
+
+def _recurrence(inc: Incident, obs: Recover) -> _Recurrence:
+    """Is ``obs`` the same fault as ``inc``'s latest attempt? The same rule within the
+    incident's ``recur_window_steps``, and (with ``recur_tolerance`` set) the same measured
+    value (:func:`_same_value`)."""
+    s = inc.settings
+    if obs.rule != inc.rule or abs(obs.step - inc.step) > s.recur_window_steps:
+        return _Recurrence.NO
+    if s.recur_tolerance is None or _same_value(inc.value, _measured(obs), s.recur_tolerance):
+        return _Recurrence.SAME
+    return _Recurrence.OTHER_VALUE
+
+
+def _measured(obs: Recover) -> float | str | None:
+    """What the rule measured: nothing for a crash or a hang (whatever a rule reports there)."""
+    return None if obs.fault else obs.value
+
+
+def _same_value(a: Any, b: Any, tolerance: float) -> bool:
+    """Two measurements of the same fault: both absent, both non-finite, or finite and equal
+    within ``tolerance`` (relative to the larger)."""
+    x, y = _number(a), _number(b)
+    if x is None or y is None:
+        return bool(a == b)  # both absent, or the same value that is no number
+    if not (math.isfinite(x) and math.isfinite(y)):
+        return not math.isfinite(x) and not math.isfinite(y)
+    return abs(x - y) <= tolerance * max(abs(x), abs(y))
+
+
+def _number(v: Any) -> float | None:
+    """A measured value as a float (a journaled ``"nan"``, ``"inf"`` too); None: not a number."""
+    if isinstance(v, bool) or v is None:
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
 
 
 # ---- the run ends --------------------------------------------------------------------------------
@@ -848,7 +996,8 @@ def _restart_resume(st: State, obs: Restarted) -> _Step:
     s = st.incident.settings if st.incident is not None else obs.settings
     min_grade = None if st.preempted_from is not None else s.min_grade
     st = _replace(st, phase=Phase.RESUMING, resume_to=back or Phase.RUNNING, resume_settings=s)
-    return _Step(st, (SelectCheckpoint(min_grade, None, 0, st.lineage),))
+    select = SelectCheckpoint(min_grade, None, 0, st.lineage, grade_baseline=s.grade_baseline)
+    return _Step(st, (select,))
 
 
 @_on_restart(Phase.KILLING)
@@ -900,10 +1049,12 @@ def resume(state: State, obs: CheckpointChosen) -> _Step:
             gone = _none_chosen(Kind.RESUME, code, why, inc, obs, resume_to=back)
             return _escalate(state, inc, [gone], code, why, settings)
         plan = _plan(state, skip=_carried(old, after=None))
+        plan = _replace(plan, **_carried_lr(old, False, state))
         code = Code.RESUME_FROM_START
     else:
         reset = bool(old is not None and old.reset_optimizer and old.checkpoint == obs.path)
         plan = _plan(state, obs, reset_optimizer=reset, skip=_carried(old, after=obs.step or 0))
+        plan = _replace(plan, **_carried_lr(old, reset, state))
         code = Code.RESUME_FROM_CHECKPOINT
         if state.preempted_from is not None:
             code = Code.RESUME_AFTER_PREEMPTION
@@ -972,6 +1123,21 @@ def _carried(old: ResumePlan | None, after: int | None) -> _Skip:
         return _Skip()
     ranges = tuple(r for r in old.skip_ranges if after is None or r[1] > after)
     return _Skip(ranges, old.skip_batches, old.skip_batches_steps)
+
+
+def _carried_lr(old: ResumePlan | None, reset: bool, state: State) -> dict[str, Any]:
+    """What a resume keeps of the generation's LR plan: its re-warm-up when it resets the
+    optimizer again, and (in probation) the cut it gives back when the probation ends."""
+    if old is None:
+        return {}
+    kept: dict[str, Any] = {"rewarm_steps": old.rewarm_steps} if reset else {}
+    if state.resume_to is Phase.PROBATION:
+        kept.update(
+            lr_restore_from=old.lr_restore_from,
+            lr_restore_steps=old.lr_restore_steps,
+            lr_restore_to=old.lr_restore_to,
+        )
+    return kept
 
 
 def _plan(

@@ -21,6 +21,8 @@ from pydantic import BaseModel
 from spikeguard.policies.schema import RecoverySettings, lr_factor_for
 from spikeguard.workers.contract.plan import ResumePlan
 
+from ..events import jsonable
+
 EVENT_ONLY = {"journal": False}
 """Field metadata: feeds the machine's events only, never its state (not journaled twice)."""
 
@@ -70,10 +72,25 @@ ACTIVE = (Phase.RUNNING, Phase.PROBATION)
 """Phases in which ranks train and report."""
 
 RECUR_WINDOW_STEPS = 2
-"""A recover decision of the same rule within this many steps of the previous attempt's is a
+"""The recurrence window an older supervisor used (``recovery.recur_window_steps`` now): a
+recover decision of the same rule within this many steps of the previous attempt's is a
 recurrence (reports are asynchronous: a crashed rank's last reported step can lag a step)."""
 
+LEGACY: dict[str, Any] = {
+    "grade_baseline": "absolute",
+    "recur_window_steps": RECUR_WINDOW_STEPS,
+    "recur_tolerance": None,
+    "rewarm_steps": 0,
+    "probation_kinds": "incident",
+    "lr_restore_steps": 0,
+}
+"""What each recovery setting added after the first journals means when a journaled ``settings``
+object lacks it: what the older supervisor did (which the new defaults no longer are). Read by
+:meth:`Settings.from_dict` for a missing key, and by :func:`state_digest`, which leaves a setting
+at its legacy value out, so the digests of older journals stay valid."""
+
 RelaunchCause = Literal["initial", "recovery", "launch_retry", "restart"]
+GradeRule = Literal["absolute", "run baseline"]
 
 
 class Settings(RecoverySettings):
@@ -103,10 +120,11 @@ class Settings(RecoverySettings):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> Settings:
-        """From a journaled ``settings`` object (unknown keys ignored; None: the defaults)."""
-        if not isinstance(d, dict):
-            return cls()
-        return cls(**{k: v for k, v in d.items() if k in cls.model_fields})
+        """From a journaled ``settings`` object (unknown keys ignored). A setting it lacks was
+        added after that journal was written: it means what the older supervisor did
+        (:data:`LEGACY`), not the new default; None: the defaults, with the same rule."""
+        given = {k: v for k, v in d.items() if k in cls.model_fields} if isinstance(d, dict) else {}
+        return cls(**{**LEGACY, **given})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data, in the fields' order (how events and the journal record it)."""
@@ -143,6 +161,12 @@ class Incident:
     batch_ids: str | None = None
     """The file holding the ranks' recent batch ids, asked for at this attempt's kill (None: no
     rank answered)."""
+    value: float | str | None = None
+    """What the rule measured at the latest attempt (a non-finite value as its string; None:
+    nothing measured, a crash or a hang): a recurrence needs the same value again."""
+    lr_scale_before: float | None = None
+    """The run's LR scale when the incident opened, kept when its settings give the cut back
+    (``lr_restore_steps``): what the scale returns to once its probation passes."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -218,9 +242,13 @@ def _non_default(value: Any) -> Any:
 
 def _fields_and_defaults(value: Any) -> list[tuple[str, Any]] | None:
     """(name, default) of each field of a record (a dataclass or, like :class:`Settings`, a
-    pydantic model; ``MISSING``: none), or None for a plain value."""
+    pydantic model; ``MISSING``: none), or None for a plain value. A setting added later
+    (:data:`LEGACY`) is compared with its legacy value, not its default: that is the value every
+    older journal's settings have."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return [(f.name, f.default) for f in dataclasses.fields(value)]
+    if isinstance(value, Settings):
+        return [(n, LEGACY.get(n, f.default)) for n, f in type(value).model_fields.items()]
     if isinstance(value, BaseModel):
         return [(n, f.default) for n, f in type(value).model_fields.items()]
     return None
@@ -287,6 +315,13 @@ class Recover:
     """It fired on a rank's exit or silence (a crash or a hang), not on a training signal."""
     furthest_step: int | None = None
     """The furthest step any rank of the generation had reported."""
+    value: float | str | None = None
+    """What the rule measured (a non-finite value as its string, as the journal writes it);
+    taken from ``details["value"]`` when not given. Journaled: a recurrence is judged on it."""
+
+    def __post_init__(self) -> None:
+        value = self.details.get("value") if self.value is None else self.value
+        object.__setattr__(self, "value", jsonable(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,6 +394,13 @@ class CheckpointChosen:
     corrupt: str | None = None
     """The checkpoint whose failed verification ended the search (``fallback_on_corrupt``
     False), if that is why nothing was chosen."""
+    grade_rule: GradeRule | None = dataclasses.field(default=None, metadata=EVENT_ONLY)
+    """Which bar the grade had to meet: ``"absolute"`` (``min_grade``), ``"run baseline"`` (the
+    run's own healthy baseline, nothing meeting ``min_grade``); None: any grade."""
+    grade_bar: int | None = dataclasses.field(default=None, metadata=EVENT_ONLY)
+    """The grade the choice had to meet (``min_grade``, or the run's baseline)."""
+    baseline_of: int | None = dataclasses.field(default=None, metadata=EVENT_ONLY)
+    """How many graded checkpoints the run's baseline is the median of (None: not computed)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,6 +484,10 @@ class SelectCheckpoint:
     """Only checkpoints on this lineage qualify (see :attr:`State.lineage`)."""
     fallback_on_corrupt: bool = True
     """A checkpoint failing verification falls back to older ones (False: nothing is chosen)."""
+    grade_baseline: Literal["run", "absolute"] = "run"
+    """'run': when nothing meets ``min_grade``, a checkpoint at the run's own healthy baseline
+    (the median grade of its graded checkpoints before ``before_step``, capped at ``min_grade``)
+    qualifies; 'absolute': ``min_grade`` only (see ``recovery.grade_baseline``)."""
 
 
 @dataclasses.dataclass(frozen=True)
