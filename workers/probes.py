@@ -284,6 +284,12 @@ class Probes:
             if isinstance(pats, str):
                 raise TypeError(f"patterns must be an iterable of strings, not the string {pats!r}")
         measure.grade_of(1.0, thresholds)  # validates the thresholds
+        self.patterns: dict[str, tuple[str, ...]] = {
+            "residual": tuple(residual),
+            "attention": tuple(attention),
+            "lm_head": tuple(lm_head),
+        }
+        """The patterns of each probe kind (what a kind that found nothing looked for)."""
         self.k, self.max_rows, self.max_queries, self.max_batch = (
             k,
             max_rows,
@@ -311,12 +317,12 @@ class Probes:
 
         named = list(model.named_modules())
         self._names: dict[nn.Module, str] = {m: n for n, m in named}
-        blocks = _select(named, residual)
-        attns = _select(named, attention)
+        blocks = _select(named, self.patterns["residual"])
+        attns = _select(named, self.patterns["attention"])
         taken = [n for n, _ in blocks] + [n for n, _ in attns]
         heads = [
             (n, m)
-            for n, m in _select(named, lm_head)
+            for n, m in _select(named, self.patterns["lm_head"])
             if not any(n == t or n.startswith(t + ".") for t in taken)
         ]
         self.residual_names = [n for n, _ in blocks]

@@ -14,8 +14,47 @@ from typing import Any
 
 import torch
 
+from ..contract.logs import logger
 from ..contract.signals import summarize
 from ..probes import Probes
+
+log = logger(__name__)
+
+_LOOKED_FOR = {
+    "residual": ("blocks (residual: grade, erank_ratio)", "*.stages.*"),
+    "attention": ("attention modules (attention entropy, max logit)", "*.mixer"),
+    "lm_head": ("output layer (log Z)", "*readout*"),
+}
+"""Per probe kind: what finding nothing costs, and an example pattern for the hint."""
+
+
+def unprobed(probes: Probes, *, hf_attention: bool, model: torch.nn.Module) -> list[str]:
+    """One line per probe kind that found no module in ``model``: what will not be reported and
+    how to point the probe at the model's own names (said once, at attach, never silently).
+    Attention found through the Hugging Face capture, or reported by ``record_qk`` later,
+    counts as found."""
+    found = {
+        "residual": probes.residual_names,
+        "attention": probes.attention_names or probes.unresolved_attention or hf_attention,
+        "lm_head": probes.lm_head_names,
+    }
+    name = type(model).__name__
+    lines = []
+    for kind, (what, example) in _LOOKED_FOR.items():
+        if found[kind]:
+            continue
+        patterns = ", ".join(probes.patterns[kind]) or "none"
+        hint = (
+            " (or call spikeguard.workers.probes.record_qk(self, q, k) in its forward)"
+            if kind == "attention"
+            else ""
+        )
+        lines.append(
+            f"probes found no {what} in {name}: looked for {patterns}; those signals will not "
+            f"be reported. Name yours with attach(model, probe_patterns={{'{kind}': "
+            f"['{example}']}}){hint}"
+        )
+    return lines
 
 
 class Sampler:
@@ -34,6 +73,8 @@ class Sampler:
         """The forward hooks (see :class:`~spikeguard.workers.probes.Probes`)."""
         self._qk_capture = install_qk_capture(model)
         """Whether the Hugging Face attention capture was installed for this model."""
+        for line in unprobed(self.probes, hf_attention=self._qk_capture, model=model):
+            log.warning(line)
         self.next_step = 0
         """The step the next report will be of."""
         self.last_loss: float | None = None
