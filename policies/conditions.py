@@ -33,7 +33,7 @@ _KIND_KEYS = {
     ":any": ("any",),
 }
 _ALL_CONDITION_KEYS = sorted(
-    {k for keys in _KIND_KEYS.values() for k in keys} | {"signal", "within", "window"}
+    {k for keys in _KIND_KEYS.values() for k in keys} | {"signal", "within", "window", "median_of"}
 )
 
 
@@ -151,6 +151,11 @@ class Trailing(_Leaf):
     """Fire when (value − median) / (1.4826 × MAD) ≥ this. With a ratio, both must hold."""
     z_below: float | None = Field(None, gt=0)
     """Fire when (median − value) / (1.4826 × MAD) ≥ this. With a ratio, both must hold."""
+    median_of: DurationOf("samples", "steps") | None = None  # type: ignore[valid-type]
+    """Test the median of the latest values over this span (the current one included) instead of
+    the current value alone, against the median of the window before them: a climb that noise
+    hides step by step (a loss rising 0.3 nats over 50 steps) shows in a 20-step median, and a
+    blip of a step or two does not."""
 
     @model_validator(mode="after")
     def _consistent(self) -> Trailing:
@@ -163,6 +168,8 @@ class Trailing(_Leaf):
             )
         if self.window.value < 3:
             fail("the window needs at least 3 values for a median", "window")
+        if self.median_of is not None and self.median_of.unit != self.window.unit:
+            fail(f"median_of is counted in {self.window.unit}, as the window is", "median_of")
         return self
 
     @property

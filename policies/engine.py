@@ -169,6 +169,10 @@ class Engine:
             for leaf in c.rule.when.leaves():
                 if isinstance(leaf, Trailing):
                     size = leaf.window
+                    if leaf.median_of is not None:
+                        need = int(size.value) + int(leaf.median_of.value) + 2
+                        self._history[leaf.signal] = max(self._history.get(leaf.signal, 0), need)
+                        continue
                 elif isinstance(leaf, Change):
                     size = leaf.within
                 else:

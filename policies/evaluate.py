@@ -352,6 +352,8 @@ def screen(cond: Any) -> Screen:
         )
     if kind not in (NonFinite, Threshold, Trailing) or cond.signal in LAYER_SIGNALS:
         return lambda msg, series, rank, earlier: False
+    if kind is Trailing and cond.median_of is not None:
+        return lambda msg, series, rank, earlier: False  # a median of recent values: not bounded
     signal = cond.signal
     if kind is NonFinite:
 
@@ -446,10 +448,26 @@ def _beyond_median_impossible(cond: Trailing, v: float, values: list[float]) -> 
     return v >= factor * max(values)  # v < factor·median needs v < factor·max (or median <= 0)
 
 
+def _recent_median(cond: Trailing, series: Series | None, step: int, v: float) -> tuple[float, int]:
+    """``(median, first step)`` of the values over ``cond.median_of`` up to ``step`` (``v`` is
+    the current one): what a ``median_of`` test compares (a median, so a blip of a step or two
+    does not move it), and where its trailing window ends."""
+    span = cond.median_of
+    assert span is not None
+    size = int(span.value) - 1  # the values before the current one
+    pts = _window(series, step, size, span.unit, need_full=False) if size > 0 else None
+    pts = [p for p in (pts or []) if math.isfinite(p[1])]
+    values = [p[1] for p in pts] + [v]
+    return statistics.median(values), (pts[0][0] if pts else step)
+
+
 def _trailing(cond: Trailing, ctx: Context, v: float) -> Hit | None:
     w = cond.window
     series = ctx.history(cond.signal)
-    values = series.window(ctx.msg.step, int(w.value), w.unit, need_full=True) if series else None
+    end = ctx.msg.step
+    if cond.median_of is not None:
+        v, end = _recent_median(cond, series, ctx.msg.step, v)
+    values = series.window(end, int(w.value), w.unit, need_full=True) if series else None
     if values is None or len(values) < 3:
         return None
     if _beyond_median_impossible(cond, v, values):
@@ -482,4 +500,9 @@ def _trailing(cond: Trailing, ctx: Context, v: float) -> Hit | None:
             if len(parts) == 0
             else f"z-score {z:.3g}"
         )
-    return Hit(s, v, ctx.layer_of(s), f"{s} {fmt(s, v)} is " + ", ".join(parts))
+    what = (
+        f"{s} {fmt(s, v)}"
+        if cond.median_of is None
+        else f"{s}'s median {fmt(s, v)} over the last {cond.median_of}"
+    )
+    return Hit(s, v, ctx.layer_of(s), f"{what} is " + ", ".join(parts))

@@ -59,6 +59,9 @@ def describe(cond: Any, layers: list[str] | None = None, nested: bool = False) -
     if isinstance(cond, Trailing):
         parts = []
         base = f"its median over the previous {cond.window}"
+        if cond.median_of is not None:
+            s = f"the median of {s} over the last {cond.median_of}"
+            base = f"the median over the {cond.window} before them"
         if cond.above_median is not None:
             parts.append(f"{s} rises above {cond.above_median:g}× {base}")
         if cond.below_median is not None:

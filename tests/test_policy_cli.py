@@ -302,13 +302,15 @@ def test_replay_merges_several_rank_files_by_time(tmp_path, capsys):
 
 
 DEMO_RUN = ROOT / "tests" / "data" / "demo_run"
+DEMO_POLICY = str(DEMO_RUN / "policy.yaml")
+"""The policy the demo run was recorded under (the default policy of the time)."""
 
 
 def test_replay_reads_a_run_directory_with_only_a_gzipped_reports_file(capsys):
     assert not (DEMO_RUN / "reports.jsonl").exists()  # the recording keeps only the .gz
-    code, out, err = run_in_process(capsys, "replay", "default", str(DEMO_RUN))
+    code, out, err = run_in_process(capsys, "replay", DEMO_POLICY, str(DEMO_RUN))
     assert code == 0, err
-    same, gz, _ = run_in_process(capsys, "replay", "default", str(DEMO_RUN / "reports.jsonl.gz"))
+    same, gz, _ = run_in_process(capsys, "replay", DEMO_POLICY, str(DEMO_RUN / "reports.jsonl.gz"))
     assert same == 0 and out == gz
     assert "entropy-collapse" in out and "step    775" in out and "step    900" in out
 

@@ -1,7 +1,7 @@
 """`policy replay` of the default policy over a recorded supervised demo run names the steps the
 live supervisor acted on (tests/data/demo_run: reports.jsonl and journal.jsonl of
-`spikeguard demo`, 2 ranks, recorded as tests/data/README.md says). Re-record both if the
-default policy changes."""
+`spikeguard demo`, 2 ranks, recorded as tests/data/README.md says) under the policy it was
+recorded with (``policy.yaml`` beside them: the default policy of the time)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_replay_reproduces_the_live_recoveries():
     live = [(e["step"], e["rule"], e["rank"]) for e in journal if e["kind"] == "incident"]
     replayed = [
         (d.step, d.rule, d.rank)
-        for d in replay(load_policy("default"), messages)
+        for d in replay(load_policy(str(DATA / "policy.yaml")), messages)
         if d.action == "recover"
     ]
     assert live and replayed == live
