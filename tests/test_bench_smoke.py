@@ -75,10 +75,14 @@ def test_scale_smoke() -> None:
 
 def test_detection_smoke(tmp_path: Path) -> None:
     out = bench("bench_detection").main(["--smoke", "--out", str(tmp_path)])
-    (div,) = out["diverging"]
-    assert div["seed"] == 0 and div["variant"] == "default"
-    assert [(c["seed"], c["variant"]) for c in out["controls"]] == [(0, "stable"), (0, "qk-norm")]
-    for row in (div, *out["controls"]):
+    rows = out["rows"]
+    assert [(r["case"], r["variant"], r["seed"]) for r in rows] == [
+        ("gpt-burst", "diverge", 0),
+        ("gpt-burst", "control", 0),
+    ]
+    for row in rows:
         assert math.isfinite(row["final loss"])
         assert row["recoveries"] == 0  # 30 steps: inside every rule's warm-in
-    assert (tmp_path / "seed0-default.jsonl").stat().st_size > 0
+        assert row["probed"] == "attn,rank,logz"  # the example GPT: every probe kind found
+    assert out["summary"]["controls"] == 1 and out["summary"]["diverging"] == 1
+    assert (tmp_path / "alone" / "gpt-burst-diverge-s0.jsonl").stat().st_size > 0
