@@ -57,6 +57,40 @@ def unprobed(probes: Probes, *, hf_attention: bool, model: torch.nn.Module) -> l
     return lines
 
 
+_KIND_SIGNAL = {"residual": "grade", "attention": "attn_entropy_min_norm", "lm_head": "logz_max"}
+"""One signal each probe kind reports whenever it works."""
+
+
+def silent_kinds(
+    probes: Probes, layers: Mapping[str, Mapping[str, Any]], *, hf_attention: bool
+) -> list[str]:
+    """One line per probe kind that found modules at attach but reported nothing in the first
+    sample ``layers`` (an attention module whose Q and K no capture reaches): found by name is
+    not measured, and a policy rule on those signals would never fire."""
+    found = {
+        "residual": bool(probes.residual_names),
+        "attention": bool(probes.attention_names or probes.unresolved_attention or hf_attention),
+        "lm_head": bool(probes.lm_head_names),
+    }
+    have = {sig for values in layers.values() for sig in values}
+    lines = []
+    for kind, signal in _KIND_SIGNAL.items():
+        if found[kind] and signal not in have:
+            what = _LOOKED_FOR[kind][0]
+            hint = (
+                ": their Q and K were not found (no q_proj/k_proj or fused qkv child, no Hugging "
+                "Face attention function); call spikeguard.workers.probes.record_qk(self, q, k) "
+                "in their forward"
+                if kind == "attention"
+                else ""
+            )
+            lines.append(
+                f"the first sample has no {signal}: the {what} matched by name reported "
+                f"nothing{hint}"
+            )
+    return lines
+
+
 class Sampler:
     """The probes on ``model`` (``probe_patterns``: :class:`~..probes.Probes`'s keyword
     arguments) and the step they are armed for."""
@@ -107,6 +141,9 @@ class Sampler:
             return None
         layers = self.probes.collect()
         summary = summarize(layers)
+        if self._last is None:  # the first sample: say what a probe that found modules missed
+            for line in silent_kinds(self.probes, layers, hf_attention=self._qk_capture):
+                log.warning(line)
         self._last = {"step": step, "layers": layers, "summary": summary}
         return layers, summary
 
@@ -138,13 +175,14 @@ class Sampler:
 
 
 def install_qk_capture(model: torch.nn.Module) -> bool:
-    """For a Hugging Face model, capture the exact Q and K its attention kernel receives (after
-    RoPE and QK-norm; see :mod:`..integrations.hf_attention`). False for any other model."""
+    """For a Hugging Face model, or a model holding one (a wrapper, a LightningModule), capture
+    the exact Q and K its attention kernel receives (after RoPE and QK-norm; see
+    :mod:`..integrations.hf_attention`). False for any other model."""
     if "transformers" not in sys.modules:
         return False  # then it is no transformers model
     from ..integrations import hf_attention
 
-    if not hf_attention.is_hf_model(model):
+    if not any(hf_attention.is_hf_model(m) for m in model.modules()):
         return False
     hf_attention.install()
     return True
