@@ -341,6 +341,26 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def policy_variant(base: str, changes: list[str], out: Path) -> Path:
+    """``base`` (a built-in name or a file) with ``KEY=VALUE`` recovery settings changed, written
+    to ``out`` (the supervised runs read it from there; it is checked like any policy)."""
+    import yaml
+    from spikeguard.policies.loader import BUILTINS, builtin_path, load_policy
+
+    path = builtin_path(base) if base in BUILTINS else Path(base)
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    for change in changes:
+        key, _, value = change.partition("=")
+        data.setdefault("recovery", {})[key] = yaml.safe_load(value)
+    tag = "-".join(c.replace("=", "") for c in changes)
+    data["name"] = f"{data.get('name', 'policy')}-{tag}"
+    variant = out / f"policy-{tag}.yaml"
+    out.mkdir(parents=True, exist_ok=True)
+    variant.write_text(yaml.safe_dump(data, sort_keys=False))
+    load_policy(str(variant))
+    return variant
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the zoo and print its tables; returns the rows and the summary."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -354,6 +374,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--plot", default=str(HERE / "results" / "detection-lead.png"))
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--steps", type=int, default=None, help="override every case's steps")
+    p.add_argument(
+        "--recovery",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a variant of --policy with this recovery setting (YAML value), e.g. rewarm_steps=0",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny: 1 case, 1 seed, 30 steps, no Ray")
     args = p.parse_args(argv)
     if args.smoke:
@@ -363,6 +390,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from spikeguard.policies.loader import load_policy_text
 
     out = Path(args.out or tempfile.mkdtemp(prefix="sg-zoo-"))
+    if args.recovery:
+        args.policy = str(policy_variant(args.policy, args.recovery, out))
     combos = [(c, v, s) for c in args.cases for v in ("diverge", "control") for s in args.seeds]
     n_sup = 0 if args.no_supervised else sum(c in DIVERGING for c in args.cases) * len(args.seeds)
     print(
