@@ -19,7 +19,8 @@ A warm-up (not measured) sends the reports of steps 0..1000 so that the per-laye
 the measured phase runs steps 1001..1200. Injected: loss spikes in 8 fresh ranks every 10 steps
 (the heartbeat path: ``loss-spike`` fires on the third spiking step), and an attention-entropy
 collapse in 8 ranks at the reports of steps 1000 and 1200 (the report path:
-``entropy-collapse`` fires at 1200, inside the report burst of every rank). To journal many
+``entropy-low`` fires at 1200, inside the report burst of every rank; with the loss flat the
+default policy only warns on it). To journal many
 decisions in one run, this bench's copy of the default policy says ``notify`` where the
 original says ``recover``: the path from message to the first journaled event is the same
 (``alert`` instead of ``incident``), and the run goes on instead of stopping the group.
@@ -60,12 +61,18 @@ SPIKE_LEN = 4
 NAN_OFFSET = 5
 """Non-finite losses start this many steps after each spike onset (their own fresh ranks)."""
 COLLAPSE_RANKS = 8
-RECOVERING_RULES = ("grade-drop", "entropy-collapse", "loss-spike", "non-finite-loss")
+RECOVERING_RULES = (
+    "grade-drop",
+    "entropy-collapse",
+    "loss-climb",
+    "loss-spike",
+    "non-finite-loss",
+)
 
 
 def bench_policy() -> Any:
-    """The built-in default policy with ``recover`` turned into ``notify`` for the three rules
-    that watch training signals (see the module docstring)."""
+    """The built-in default policy with ``recover`` turned into ``notify`` for the rules that
+    watch training signals (see the module docstring)."""
     import spikeguard.policies as pol
 
     text = (Path(pol.__file__).parent / "default.yaml").read_text()
@@ -157,7 +164,8 @@ class SimGroup:
             for _ in range(COLLAPSE_RANKS):
                 r = self.fresh.pop()
                 self.collapsing.add(r)
-                self.injected[(r, WARM_UNTIL + REPORT_EVERY)] = "entropy-collapse"
+                # alone (the loss flat), a collapse is the default policy's warning
+                self.injected[(r, WARM_UNTIL + REPORT_EVERY)] = "entropy-low"
         for r in range(self.ranks):
             loss = 2.0 + self.rng.gauss(0.0, 0.02)
             if self.spiking.get(r, -1) >= s:

@@ -155,8 +155,8 @@ def test_checkpoint_retention_comes_from_the_job_and_the_policy(tmp_path):
     settings = retention_settings(job, load_policy("default"))
     assert settings is not None
     assert (settings.keep_last, settings.keep_every, settings.keep_healthy) == (5, 1000, 1)
-    # healthy as the policy says (S4), looking back as far as its rules roll back (200 steps)
-    assert (settings.min_grade, settings.min_steps_back) == (4, 200)
+    # healthy as the policy says (S4), looking back as far as its rules roll back (150 steps)
+    assert (settings.min_grade, settings.min_steps_back) == (4, 150)
     job = load_job(write(tmp_path, GOOD + "checkpoints: {min_grade: 6, enabled: false}\n"))
     assert retention_settings(job, load_policy("default")) is None
     job = load_job(write(tmp_path, GOOD + "checkpoints: {min_grade: 6}\n"))

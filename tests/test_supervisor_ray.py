@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import read_jsonl, toy_job
+from spikeguard.policies.schema import RecoverySettings
 
 pytestmark = pytest.mark.slow
 POLICY = Path(__file__).parent / "data" / "toy_policy.yaml"
@@ -77,7 +78,11 @@ def test_collapse_is_recovered_from_the_chosen_checkpoint_with_cut_lr_and_fresh_
         assert m["checkpoint"] == rb["checkpoint_path"]
     steps = [m for m in gen2 if m["type"] in ("heartbeat", "report") and m["rank"] == 0]
     assert steps[0]["step"] == rb["checkpoint_step"] + 1
-    assert all(m["lr"] == pytest.approx(0.5e-3) for m in steps)
+    # the LR each step used: the cut LR, re-warmed over the first rewarm_steps after the reset
+    rewarm = RecoverySettings().rewarm_steps
+    for m in steps:
+        ramp = min(1.0, (m["step"] - rb["checkpoint_step"]) / rewarm)
+        assert m["lr"] == pytest.approx(0.5e-3 * ramp), m
     # a fresh AdamW: its step counter restarts at 1 on the first resumed step
     assert [m["extra"]["adam_steps"] for m in steps[:3]] == [1, 2, 3]
     assert steps[-1]["step"] == 119
