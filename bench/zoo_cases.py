@@ -109,7 +109,7 @@ CASES: dict[str, Case] = {
         Case(name="gemma-overshoot", model="gemma", failure="overshoot", lr=0.4),
         Case(name="fsdp-overshoot", model="gpt", failure="overshoot", lr=0.15, fsdp=True),
         Case(name="unnamed-overshoot", model="unnamed", failure="overshoot", lr=0.3),
-        Case(name="qwen3-logits", model="qwen3", failure="logits", lr=0.005, head_jump=200),
+        Case(name="qwen3-logits", model="qwen3", failure="logits", lr=0.005, head_jump=60),
         Case(name="gpt-burst", model="gpt", failure="burst", lr=0.03, burst_len=30),
         Case(name="gpt-constant", model="gpt", failure="constant", lr=0.12, warmup=200),
         Case(name="gpt-shift", model="gpt", failure="shift", lr=0.08, warmup=200, shift_at=400),

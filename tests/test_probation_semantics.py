@@ -491,3 +491,35 @@ def test_policy_explain_words_every_new_setting():
         "an LR cut is permanent",
     ):
         assert words in old
+
+
+def test_a_run_whose_checkpoints_are_all_ungraded_rolls_back_by_step_alone():
+    # a model whose blocks no probe found: no checkpoint carries a grade, so no grade can judge
+    ungraded = [info(100, None), info(200, None), info(300, None)]
+    found = choose.select_rollback(
+        ungraded,
+        min_grade=4,
+        before_step=400,
+        min_steps_back=150,
+        grade_baseline="run",
+        verify_fn=no_verify,
+    )
+    assert found.chosen.step == 200 and found.grade_rule == "ungraded" and found.grade_bar is None
+    absolute = choose.select_rollback(
+        ungraded,
+        min_grade=4,
+        before_step=400,
+        min_steps_back=150,
+        grade_baseline="absolute",
+        verify_fn=no_verify,
+    )
+    assert absolute.chosen is None  # the legacy rule still escalates
+    # one graded checkpoint is a baseline: the ungraded ones do not qualify under it
+    mixed = choose.select_rollback(
+        [info(100, 2), info(200, None)],
+        min_grade=4,
+        before_step=400,
+        grade_baseline="run",
+        verify_fn=no_verify,
+    )
+    assert mixed.chosen.step == 100 and mixed.grade_rule == "run baseline"

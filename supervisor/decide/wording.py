@@ -118,6 +118,11 @@ def _restart_from_start(f: Values, c: Values) -> str:
 def _checkpoint_chosen(f: Values, c: Values) -> str:
     if c["fault"]:
         return f"newest checkpoint that verifies (any grade) at or before step {c['step']}"
+    if f.get("grade_rule") == "ungraded":
+        return (
+            f"newest checkpoint before step {c['step']}: no checkpoint of this run is graded "
+            "(its probes found no blocks), so the grade cannot judge"
+        )
     if f.get("grade_rule") == "run baseline":
         return (
             f"newest checkpoint graded S{f['grade']} >= S{f['grade_bar']} before step "

@@ -232,6 +232,8 @@ def _rollback(f: _Fields) -> str:
     if not chosen:
         return f.because(f.bold("No checkpoint to roll back to")) + tail
     grade = f.esc(grade_text(f.get("grade")))
+    if f.get("grade_rule") == "ungraded":  # no checkpoint of the run carries a grade
+        grade += ", the run's checkpoints are ungraded"
     if f.get("grade_rule") == "run baseline":  # nothing reached min_grade: the run's own bar
         bar = f.esc(grade_text(f.get("grade_bar")))
         grade += f", healthy by this run's baseline {bar}, the median of {f.num('baseline_of')}"

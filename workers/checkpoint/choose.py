@@ -389,7 +389,7 @@ def run_baseline(
     return statistics.median_low(grades.values()), len(grades)
 
 
-GradeRule = Literal["absolute", "run baseline"]
+GradeRule = Literal["absolute", "run baseline", "ungraded"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,7 +401,9 @@ class Rollback:
     """(checkpoint, why) of each newer one passed over (under the rule that decided)."""
     grade_rule: GradeRule | None
     """``"absolute"``: graded at least ``min_grade``; ``"run baseline"``: nothing was, and the
-    bar became the run's own healthy baseline; None: any grade (``min_grade`` None)."""
+    bar became the run's own healthy baseline; ``"ungraded"``: no checkpoint of the run carries
+    a grade at all (its probes found no blocks), so the grade cannot judge and any qualifies;
+    None: any grade (``min_grade`` None)."""
     grade_bar: int | None
     """The grade the choice had to meet."""
     baseline_of: int | None = None
@@ -424,7 +426,8 @@ def select_rollback(
     """:func:`select_checkpoint`, and with ``grade_baseline`` "run", when nothing meets
     ``min_grade``, again with the bar lowered to the run's own healthy baseline
     (:func:`run_baseline` before ``before_step``, capped at ``min_grade``): a healthy small model
-    grades S2-S3, and an absolute S4 would make its first incident escalate. Each checkpoint is
+    grades S2-S3, and an absolute S4 would make its first incident escalate; with no graded
+    checkpoint at all (a model whose blocks no probe found), with any grade. Each checkpoint is
     verified at most once. Says which rule chose, with the bar."""
     search = functools.partial(
         _search,
@@ -441,7 +444,10 @@ def select_rollback(
     if first.chosen is not None or first.stopped or min_grade is None or grade_baseline != "run":
         return absolute
     baseline = run_baseline(infos, before_step=before_step, lineage=lineage)
-    if baseline is None or baseline[0] >= min_grade:
+    if baseline is None:  # nothing graded: a model whose blocks no probe found
+        found = search(min_grade=None)
+        return Rollback(found.chosen, found.skipped, "ungraded", None, 0, found.stopped)
+    if baseline[0] >= min_grade:
         return dataclasses.replace(absolute, baseline_of=baseline[1] if baseline else None)
     bar, n = baseline
     found = search(min_grade=bar, bar_name=" (the run's baseline)")

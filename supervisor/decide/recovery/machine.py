@@ -454,10 +454,10 @@ def _skipped(obs: CheckpointChosen) -> list[dict[str, str]]:
 
 def _grade_rule(obs: CheckpointChosen, s: Settings) -> dict[str, Any]:
     """Which rule judged the rollback target healthy (a numerical incident's rollback event):
-    ``absolute`` with the bar (``min_grade``), or ``run baseline`` with the bar and how many
-    graded checkpoints it is the median of."""
+    ``absolute`` with the bar (``min_grade``), ``run baseline`` with the bar and how many
+    graded checkpoints it is the median of, or ``ungraded`` (no bar: nothing was graded)."""
     rule = obs.grade_rule or "absolute"
-    bar = obs.grade_bar if obs.grade_bar is not None else s.min_grade
+    bar = obs.grade_bar if obs.grade_bar is not None or rule == "ungraded" else s.min_grade
     fields: dict[str, Any] = {"grade_rule": rule, "grade_bar": bar}
     if rule == "run baseline":
         fields["baseline_of"] = obs.baseline_of

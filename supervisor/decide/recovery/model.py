@@ -90,7 +90,7 @@ object lacks it: what the older supervisor did (which the new defaults no longer
 at its legacy value out, so the digests of older journals stay valid."""
 
 RelaunchCause = Literal["initial", "recovery", "launch_retry", "restart"]
-GradeRule = Literal["absolute", "run baseline"]
+GradeRule = Literal["absolute", "run baseline", "ungraded"]
 
 
 class Settings(RecoverySettings):
@@ -396,7 +396,8 @@ class CheckpointChosen:
     False), if that is why nothing was chosen."""
     grade_rule: GradeRule | None = dataclasses.field(default=None, metadata=EVENT_ONLY)
     """Which bar the grade had to meet: ``"absolute"`` (``min_grade``), ``"run baseline"`` (the
-    run's own healthy baseline, nothing meeting ``min_grade``); None: any grade."""
+    run's own healthy baseline, nothing meeting ``min_grade``), ``"ungraded"`` (no checkpoint of
+    the run is graded: any qualifies); None: any grade."""
     grade_bar: int | None = dataclasses.field(default=None, metadata=EVENT_ONLY)
     """The grade the choice had to meet (``min_grade``, or the run's baseline)."""
     baseline_of: int | None = dataclasses.field(default=None, metadata=EVENT_ONLY)
