@@ -275,7 +275,10 @@ def test_replay_json_lines(tmp_path, capsys):
     assert [(r["rule"], r["step"], r["rank"], r["value"]) for r in rows] == [
         ("non-finite-loss", 120, 1, "nan")
     ]
-    assert rows[0]["recovery"]["lr_factors"] == [0.5]
+    assert rows[0]["recovery"]["lr_factors"] == [
+        0.5,
+        0.3,
+    ]  # the default policy: x0.5, then x0.3 per failed attempt
     assert "policy 'default'" in err
 
 
