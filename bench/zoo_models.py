@@ -62,20 +62,27 @@ def gpt(seq_len: int, qk_norm: bool = False) -> nn.Module:
     return _GPT(seq_len, qk_norm)
 
 
-def qwen3(seq_len: int) -> nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(
+def _shape(seq_len: int) -> dict:
+    """The size every Hugging Face family of the zoo shares (its config's common fields)."""
+    return dict(
         vocab_size=VOCAB,
         hidden_size=D_MODEL,
         intermediate_size=4 * D_MODEL,
         num_hidden_layers=N_LAYER,
         num_attention_heads=N_HEAD,
+        max_position_embeddings=2 * seq_len,
+        attn_implementation="sdpa",
+    )
+
+
+def qwen3(seq_len: int) -> nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        **_shape(seq_len),
         num_key_value_heads=2,
         head_dim=D_MODEL // N_HEAD,
-        max_position_embeddings=2 * seq_len,
         tie_word_embeddings=False,
-        attn_implementation="sdpa",
     )
     return ByteLM(Qwen3ForCausalLM(cfg))
 
@@ -84,16 +91,10 @@ def neox(seq_len: int) -> nn.Module:
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     cfg = GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=D_MODEL,
-        intermediate_size=4 * D_MODEL,
-        num_hidden_layers=N_LAYER,
-        num_attention_heads=N_HEAD,
+        **_shape(seq_len),
         rotary_pct=0.5,
-        max_position_embeddings=2 * seq_len,
         use_parallel_residual=True,
         tie_word_embeddings=False,
-        attn_implementation="sdpa",
     )
     return ByteLM(GPTNeoXForCausalLM(cfg))
 
@@ -101,17 +102,7 @@ def neox(seq_len: int) -> nn.Module:
 def gemma(seq_len: int) -> nn.Module:
     from transformers import GemmaConfig, GemmaForCausalLM
 
-    cfg = GemmaConfig(
-        vocab_size=VOCAB,
-        hidden_size=D_MODEL,
-        intermediate_size=4 * D_MODEL,
-        num_hidden_layers=N_LAYER,
-        num_attention_heads=N_HEAD,
-        num_key_value_heads=1,
-        head_dim=D_MODEL // N_HEAD,
-        max_position_embeddings=2 * seq_len,
-        attn_implementation="sdpa",
-    )
+    cfg = GemmaConfig(**_shape(seq_len), num_key_value_heads=1, head_dim=D_MODEL // N_HEAD)
     return ByteLM(GemmaForCausalLM(cfg))
 
 

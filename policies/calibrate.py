@@ -16,8 +16,8 @@ the rule's silence on the stable runs changes, then bisects between the two ends
 * a ratio below the median (``below_median: k``): ``k / s``;
 * a ratio above the median (``above_median: k``): ``1 + (k - 1) · s`` (``k · s`` for k <= 1);
 * a scale (``z_above``, ``z_below``, ``drops_by``, ``rises_by``): ``k · s``;
-* a threshold (``below`` / ``above``): ``t ∓ |t| · (s - 1)`` for s >= 1 and ``t ± |t| · (1/s - 1)``
-  below (|t| taken as 1 at t = 0), so it can cross zero either way;
+* a threshold (``below`` / ``above``): ``t ∓ |t| · (s - 1)`` for s >= 1 and
+  ``t ± |t| · (1/s - 1)`` below (|t| taken as 1 at t = 0), so it can cross zero either way;
 * on the grade signal, thresholds and changes are whole grades: rounded in the loose direction.
 
 A rule with several knobs (``above_median`` AND ``z_above``, or an ``all:`` of two tests) has
