@@ -34,6 +34,11 @@ Semantics, per rule:
   resumed step is usually past it; if a rollback lands inside it, it applies as to any step);
   cooldowns and the step clock carry over. Messages of an older generation are ignored, and so
   are messages of a generation passed to :meth:`Engine.retire` (the supervisor killed it).
+* A rank's layers are those of the first ``MAX_LAYERS_PER_RANK`` distinct names it reported
+  (:class:`~spikeguard.workers.contract.messages.LayerGate`, the collector's gate, applied
+  again here so that a replay of any ``reports.jsonl`` is bounded too): the others are left out
+  of its reports (counted in :attr:`Engine.layers_dropped`). Series, instances and snapshots are
+  kept per admitted layer only, so the engine's memory is bounded by ranks x that cap.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
+from spikeguard.workers.contract.messages import MAX_LAYERS_PER_RANK, LayerGate
 from spikeguard.workers.contract.signals import LAYER_SIGNALS
 
 from .conditions import Change, Trailing
@@ -146,13 +152,15 @@ class _Compiled:
 class Engine:
     """Evaluates a policy over a message stream; see the module docstring for the semantics."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, *, max_layers_per_rank: int = MAX_LAYERS_PER_RANK) -> None:
         self.policy = policy
         self.rules = [_Compiled(i, r, policy) for i, r in enumerate(policy.rules)]
         self.generation: int | None = None
         self.retired = -1
         self.ignored = 0
         """Messages ignored so far (older or retired generation, or malformed)."""
+        self._layer_gate = LayerGate(max_layers_per_rank)
+        """The layer names admitted per rank, for the engine's life (every generation)."""
         self._by_type: dict[str, list[_Compiled]] = {}
         """Message type -> the rules evaluated on it, in policy order (their cadence)."""
         for c in self.rules:
@@ -334,7 +342,16 @@ class Engine:
             at = number(msg.get("t"))
         if at is not None and math.isfinite(at):
             self._last_at = at
-        return RankMessage(msg, int(step), self._last_at)
+        m = RankMessage(msg, int(step), self._last_at)
+        if m.layers:
+            m.layers = self._layer_gate.admit(m.rank, m.layers)
+        return m
+
+    @property
+    def layers_dropped(self) -> int:
+        """Layer entries left out of the messages so far: their rank had reported
+        ``MAX_LAYERS_PER_RANK`` other names already."""
+        return sum(self._layer_gate.dropped.values())
 
     def _record(self, m: RankMessage) -> None:
         self._ranks.add(m.rank)

@@ -202,6 +202,9 @@ class Code(str, enum.Enum):
     RULE_RESOLVED = "rule_resolved"
     TEARDOWN_EXIT = "teardown_exit"
     """A rank said ``done`` and then died in teardown: counted as finished."""
+    LAYERS_CAPPED = "layers_capped"
+    """Ranks sent more distinct layer names than the supervisor keeps (``MAX_LAYERS_PER_RANK``):
+    the others are dropped from their reports (written by the tick reader, once a rank)."""
     # the warm standby (written by the controller, not the machine)
     STANDBY_STARTED = "standby_started"
     STANDBY_READY = "standby_ready"
@@ -258,6 +261,34 @@ def standby_event(change: Any, incident: str | None) -> dict[str, Any]:
     if change.rank is not None:
         ev.update(rank=change.rank, exit_code=change.exit_code, log_tail=change.log_tail)
     return ev
+
+
+def layers_capped_event(capped: list[Any], limit: int) -> dict[str, Any]:
+    """The ``alert`` (code ``layers_capped``) for ranks whose layer names passed the cap, from
+    the collector's :class:`~..intake.collector.CappedRank` records (rank, generation, step,
+    stripped); each rank is journaled once a run."""
+    ranks = sorted({c.rank for c in capped})
+    first = min(capped, key=lambda c: (c.step, c.rank))
+    shown = ", ".join(map(str, ranks[:8])) + (
+        f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""
+    )
+    who = f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
+    return {
+        "kind": Kind.ALERT.value,
+        "code": Code.LAYERS_CAPPED.value,
+        "incident": None,
+        "reason": f"{who} reported more than {limit} distinct layer names: the supervisor keeps "
+        f"the first {limit} of each rank and drops the others from its reports "
+        f"({first.stripped} dropped from rank {first.rank}'s report of step {first.step})",
+        "severity": "warn",
+        "rule": None,
+        "rank": ranks[0] if len(ranks) == 1 else None,
+        "ranks": ranks,
+        "layer": None,
+        "step": first.step,
+        "generation": first.generation,
+        "limit": limit,
+    }
 
 
 def jsonable(x: Any) -> Any:

@@ -1,7 +1,10 @@
 """The collector: turns raw report lines, exit codes and silence into messages.
 
 Pure bookkeeping (no Ray, no I/O, time passed in): validates every line against the contract,
-fences by generation, counts what it drops and why, and synthesises ``exit`` and ``hang``
+fences by generation, admits at most ``MAX_LAYERS_PER_RANK`` distinct layer names per rank
+(:class:`~spikeguard.workers.contract.messages.LayerGate`: the others are stripped before the
+message is recorded or evaluated, so nothing downstream keeps more), counts what it drops and
+why, and synthesises ``exit`` and ``hang``
 messages for the policy engine. It also classifies them: an exit or hang of a rank that never
 sent a message is marked ``first`` (a launch failure, not a crash; its step is the step the
 generation was to begin with), and a crash in teardown after ``done`` is counted as finished.
@@ -13,9 +16,9 @@ import collections
 import dataclasses
 import json
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
-from spikeguard.workers.contract.messages import FORMAT_VERSION
+from spikeguard.workers.contract.messages import FORMAT_VERSION, MAX_LAYERS_PER_RANK, LayerGate
 
 from ..launch.interface import RankPoll
 from . import validate
@@ -33,14 +36,17 @@ class Accepted(dict):  # type: ignore[type-arg]
 
     __slots__ = ("line",)
 
-    line: bytes | str
-    """The line as received (``at`` is not in it)."""
+    line: bytes | str | None
+    """The line as received (``at`` is not in it); None when the message no longer says what
+    the line does (validation replaced a lone surrogate, layers beyond the cap were stripped)."""
 
     def record(self) -> bytes:
         """The message as one ``reports.jsonl`` line (newline included): the rank's line with
         the supervisor's ``at`` appended (a later duplicate key wins for every JSON reader), or
-        the message encoded again when the line is not plain ASCII JSON on one line."""
-        line, at = _verbatim(self.line), self.get("at")
+        the message encoded again when the line is not plain ASCII JSON on one line, or was
+        changed at ingest."""
+        line = None if self.line is None else _verbatim(self.line)
+        at = self.get("at")
         if line is not None and type(at) is float and math.isfinite(at):
             return b'%s,"at":%s}\n' % (line[:-1], repr(at).encode())  # json.dumps' own form
         return (json.dumps(self, separators=(",", ":")) + "\n").encode()
@@ -89,11 +95,26 @@ class RankView:
     """When the last ``hang`` message for this silence was made (None: the rank is not silent)."""
 
 
+class CappedRank(NamedTuple):
+    """A rank whose layer names passed the cap: the first message trimmed (for the journal)."""
+
+    rank: int
+    generation: int
+    step: int
+    stripped: int
+    """Layer entries stripped from that message."""
+
+
 class Collector:
     """Validates and fences the current generation's messages; see the module docstring."""
 
     def __init__(
-        self, *, world_size: int, hang_timeout_s: float, first_heartbeat_timeout_s: float
+        self,
+        *,
+        world_size: int,
+        hang_timeout_s: float,
+        first_heartbeat_timeout_s: float,
+        max_layers_per_rank: int = MAX_LAYERS_PER_RANK,
     ) -> None:
         self.world_size = world_size
         self.hang_timeout_s = hang_timeout_s
@@ -104,6 +125,13 @@ class Collector:
         """The step the current generation begins with (its resume plan's)."""
         self.ranks: dict[int, RankView] = {}
         self.dropped: collections.Counter[str] = collections.Counter()
+        """Lines dropped, by reason (:mod:`.validate`'s, ``unknown_rank``, ...), and under
+        ``too_many_layers`` the messages whose layers beyond the cap were stripped."""
+        self.layer_gate = LayerGate(max_layers_per_rank)
+        """The distinct layer names admitted per rank, for the run (every generation): the
+        entries it stripped are counted per rank in its ``dropped``."""
+        self._capped: list[CappedRank] = []
+        self._capped_ranks: set[int] = set()
         self.rank_dropped = 0
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=400)
         self.now: float | None = None
@@ -138,14 +166,15 @@ class Collector:
         current generation (else None, the drop counted); nothing else is updated until it is
         :meth:`accept`-ed."""
         try:
-            msg = Accepted(validate.parse(line))
+            parsed, repaired = validate.read(line)
+            msg = Accepted(parsed)
             if msg["rank"] != rank or rank not in self.ranks:
                 self._drop("unknown_rank")
                 return None
             if self.generation is None or msg["gen"] != self.generation:
                 self._drop("stale_generation")
                 return None
-            msg.line = line
+            msg.line = None if repaired else line
             return msg
         except validate.Rejected as e:
             self._drop(e.reason)
@@ -167,6 +196,11 @@ class Collector:
 
     def _accept(self, msg: Accepted, now: float) -> dict[str, Any]:
         rank = msg["rank"]
+        layers = msg.get("layers")
+        if layers:  # a dict of str -> dict (validated)
+            kept = self.layer_gate.admit(rank, layers)
+            if kept is not layers:
+                self._trim(msg, kept, len(layers) - len(kept))
         msg["at"] = round(now, 3)
         self.now = now
         v = self.ranks[rank]
@@ -326,6 +360,23 @@ class Collector:
 
     def _drop(self, why: str) -> None:
         self.dropped[why] += 1
+
+    def _trim(self, msg: Accepted, kept: dict[str, Any], stripped: int) -> None:
+        """``msg`` keeps only the admitted layers ``kept``: counted, its line no longer recorded
+        as it came, and the rank noted for the journal the first time (:meth:`take_capped`)."""
+        msg["layers"] = kept
+        msg.line = None
+        self._drop("too_many_layers")
+        rank = msg["rank"]
+        if rank not in self._capped_ranks:
+            self._capped_ranks.add(rank)
+            self._capped.append(CappedRank(rank, msg["gen"], msg["step"], stripped))
+
+    def take_capped(self) -> list[CappedRank]:
+        """The ranks whose layer names passed the cap since the last call, each once a run
+        (the tick reader journals them)."""
+        out, self._capped = self._capped, []
+        return out
 
 
 def _record_progress(v: RankView, now: float) -> None:

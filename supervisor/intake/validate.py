@@ -15,6 +15,12 @@ raises :class:`Rejected` with the reason the collector counts:
 Non-finite metric values (a NaN or infinite ``loss``) are data, not errors: detecting them is
 what the non-finite rules are for. Fields the supervisor never reads (``extra``, the batch ids
 inside a ``batch_ids`` answer) are only checked for depth.
+
+Text is UTF-8: a line that is not (a stray byte, an encoded surrogate, UTF-16) is
+``malformed``. A string escape of a lone surrogate (``"\\ud800"``) is valid JSON, but no UTF-8
+writer can write the string it stands for: the first metrics scrape, report or journal line that
+names it would fail. Every such character, in any key or value of the message, is replaced by
+U+FFFD (the replacement character) at ingest, so nothing downstream ever holds one.
 """
 
 from __future__ import annotations
@@ -53,22 +59,61 @@ class Rejected(ValueError):
 
 def parse(line: bytes | str) -> dict[str, Any]:
     """The message on ``line``, validated; raises :class:`Rejected` (never anything else)."""
+    return read(line)[0]
+
+
+def read(line: bytes | str) -> tuple[dict[str, Any], bool]:
+    """The message on ``line``, validated, and whether it was repaired (a lone surrogate
+    replaced, see the module docstring): then ``line`` no longer says what the message holds,
+    and ``reports.jsonl`` must encode the message again. Raises :class:`Rejected` (never
+    anything else)."""
     if len(line) > MAX_LINE_BYTES:
         raise Rejected("oversize")
-    msg = _fast_loads(line)
+    msg = _fast_loads(line)  # orjson refuses lone surrogates: what it reads needs no repair
+    repaired = False
     if msg is None:
         try:
-            msg = json.loads(line)
+            text = line.decode("utf-8-sig") if isinstance(line, bytes) else line
+            msg = json.loads(text)
         except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
             raise Rejected("malformed") from None
         if type(msg) is not dict:
             raise Rejected("malformed")
         if _nested(msg) and too_deep(msg, MAX_DEPTH):
             raise Rejected("malformed")
+        if ("\\u" in text or not text.isascii()) and _MAY_HOLD_SURROGATE.search(text):
+            found: list[bool] = []
+            msg = _replace_surrogates(msg, found)
+            repaired = bool(found)
     why = problem(msg)
     if why is not None:
         raise Rejected(why)
-    return msg
+    return msg, repaired
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A surrogate code point: in a decoded string, always a lone one (json.loads joins a pair)."""
+_MAY_HOLD_SURROGATE = re.compile(r"\\u[dD][89abcdefABCDEF]|[\ud800-\udfff]")
+"""What a JSON text that decodes to a surrogate holds: an escape of one, or one itself (a text
+handed in as ``str``). It also matches what decodes to none (a pair, an escaped backslash)."""
+
+
+def _replace_surrogates(value: Any, found: list[bool]) -> Any:
+    """``value`` (decoded JSON, at most ``MAX_DEPTH`` deep) with every surrogate in its strings,
+    keys included, replaced by U+FFFD; appends to ``found`` when one was."""
+    t = type(value)
+    if t is str:
+        if _SURROGATE.search(value) is None:
+            return value
+        found.append(True)
+        return _SURROGATE.sub("\ufffd", value)
+    if t is dict:
+        return {
+            _replace_surrogates(k, found): _replace_surrogates(v, found) for k, v in value.items()
+        }
+    if t is list:
+        return [_replace_surrogates(v, found) for v in value]
+    return value
 
 
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")

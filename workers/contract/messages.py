@@ -13,6 +13,8 @@ everything with its own monotonic clock). Non-finite floats are written as JSON
 ``report``      on sampled steps: the heartbeat fields plus ``layers`` {layer name: {signal:
                 value}} with the per-layer signals of :mod:`.signals`, and ``summary`` {signal:
                 value} aggregated over layers (:func:`.signals.summarize`) plus ``worst_layer``.
+                The supervisor keeps at most :data:`MAX_LAYERS_PER_RANK` distinct layer names
+                of a rank (the first it sees) and drops the others from its reports.
 ``checkpoint``  after a checkpoint is durable: ``path``, ``sha256``, ``grade`` (min over layers,
                 null if never sampled), ``loss``, ``requests`` (the supervisor's requests it
                 answers). A sharded checkpoint is reported once, by rank 0, when its commit
@@ -82,6 +84,13 @@ from the plan file, see ``ENV_STANDBY``)."""
 MAX_LINE_BYTES = 1 << 20
 """The longest line (newline excluded) a message may take; longer ones are dropped unread."""
 
+MAX_LAYERS_PER_RANK = 1024
+"""The most distinct layer names the supervisor keeps of one rank over a run (:class:`LayerGate`).
+A probe names a module (``blocks.3``, ``blocks.3.attn``, ``lm_head``): a 100-block model has a
+few hundred. Every name kept costs a policy series and rule instance per signal, a live view
+entry and a report column, so a rank that names a new layer on every report would otherwise
+grow the supervisor without bound."""
+
 MAX_DEPTH = 32
 """How deeply a message may nest lists and objects (the message itself is level 1; a report's
 ``layers`` go 3 deep). Deeper messages are refused by the channel and dropped by the collector."""
@@ -111,3 +120,47 @@ def too_deep(value: Any, limit: int) -> bool:
             if isinstance(child, (dict, list)):
                 stack.append((child, depth + 1))
     return False
+
+
+class LayerGate:
+    """Admits the first ``limit`` distinct layer names of each rank and strips the others from
+    its messages, counting them (``dropped``).
+
+    One gate, applied where messages come in (the collector, before a message is recorded in
+    ``reports.jsonl`` or seen by anything else) and again by the policy engine on its own (a
+    ``policy replay`` of a hostile ``reports.jsonl``), so that every layer name the supervisor
+    keeps is one of at most ``limit`` per rank, whatever a rank sends. A name once admitted stays
+    admitted for the gate's life (the run): a rank whose module names do not change is never
+    trimmed, and a rank that sends too many keeps the names it sent first. Pure, no I/O.
+    """
+
+    __slots__ = ("_admitted", "dropped", "limit")
+
+    def __init__(self, limit: int = MAX_LAYERS_PER_RANK) -> None:
+        self.limit = limit
+        self._admitted: dict[int, set[str]] = {}
+        self.dropped: dict[int, int] = {}
+        """Rank -> how many layer entries were stripped from its messages so far."""
+
+    def admit(self, rank: int, layers: dict[str, Any]) -> dict[str, Any]:
+        """``layers`` (a message's {layer name: signals}) with the admitted names only, in their
+        order: ``layers`` itself when none is stripped (the usual case: one set lookup a name),
+        else a new dict, the stripped entries counted in :attr:`dropped`."""
+        seen = self._admitted.get(rank)
+        if seen is None:
+            seen = self._admitted[rank] = set()
+        if seen.issuperset(layers):
+            return layers
+        new = [name for name in layers if name not in seen]
+        room = self.limit - len(seen)
+        if len(new) <= room:
+            seen.update(new)
+            return layers
+        seen.update(new[: max(room, 0)])
+        kept = {name: signals for name, signals in layers.items() if name in seen}
+        self.dropped[rank] = self.dropped.get(rank, 0) + len(layers) - len(kept)
+        return kept
+
+    def admitted(self, rank: int) -> int:
+        """How many distinct layer names of ``rank`` are admitted (at most ``limit``)."""
+        return len(self._admitted.get(rank, ()))
