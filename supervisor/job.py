@@ -106,9 +106,11 @@ class MetricsSettings(_Strict):
     """The port (0: any free one; the URL is written to ``RUN_DIR/metrics.url``). A port in use
     is said once and the run goes on without metrics."""
     max_layers: int = Field(64, ge=0, le=4096)
-    """Per-layer series are exported for this many layer names (in the order first reported);
-    the signals of any further layer are folded into ``layer="_other"`` (the worst value), so a
-    model's size never multiplies the series. 0: no per-layer series."""
+    """Per-layer series are exported, for each per-layer signal, for this many layer names: the
+    worst layers by that signal (a layer replaces the least bad exported one when it is worse);
+    the others' values are folded into one series ``layer="(other)"`` (their worst value), so a
+    model's size never multiplies the series. 0: no per-layer series (the ``rank_`` families
+    still carry each rank's worst layer)."""
     final_scrape_s: float = Field(30.0, ge=0)
     """When the run ends, keep serving until Prometheus has scraped the final state once (the
     alert rules tell a finished run from a dead supervisor by it), at most this long; not at all
@@ -170,7 +172,9 @@ class JobSpec(_Strict):
     run_dir: str = "runs/{name}"
     """Where the journal, reports, checkpoints and logs go (``{name}`` is substituted)."""
     checkpoint_every: int | None = Field(None, ge=1)
-    """Checkpoint interval hint, exported as SPIKEGUARD_CKPT_EVERY for scripts that read it."""
+    """Checkpoint interval in steps, exported as SPIKEGUARD_CKPT_EVERY: it overrides the script's
+    own (``should_checkpoint(every=)``, the Lightning callback's ``checkpoint_every``, the HF
+    Trainer's ``save_steps``), with a warning when they differ."""
     checkpoints: CheckpointRetention = CheckpointRetention()
     """Checkpoint retention: how many to keep, and which."""
     sample_every: int | None = Field(None, ge=1)

@@ -101,7 +101,7 @@ def test_root_message_says_what_broke_and_links(fake):
     (root,) = fake.roots()
     body = all_text(root["blocks"])
     for expected in (
-        "rank 3 · layer blocks.7.attn",
+        "rank 3 · layer `blocks.7.attn`",
         "`attn_entropy_min` = 0.15",
         "*Step*\\n1,230",
         "*Loss*\\n7.9",

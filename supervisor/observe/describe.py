@@ -2,7 +2,9 @@
 
 Each event kind has one template (:data:`TEMPLATES`), written once and rendered in either of two
 markups: ``plain`` text (the console, logs, Slack's notification fallback) or Slack ``mrkdwn``
-(bold, code and ``&<>`` escaping). The words are the same in both.
+(bold, code and ``&<>`` escaping). The words are the same in both. In mrkdwn, what a rank named
+(a layer, a path) is a code span (:func:`code`), in the event's fields and where its reason
+quotes it: Slack links no URL and reads no markup inside one.
 
 A rollback's line counts the checkpoints it passed over by reason (:func:`passed_over`) rather
 than listing their paths, so it stays one short line however many there were; Slack's reply adds
@@ -31,6 +33,29 @@ MISSING = "—"
 def esc(value: Any) -> str:
     """Escape a value for Slack mrkdwn (``&``, ``<``, ``>`` only, as Slack documents)."""
     return str(value).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+SPAN_BACKTICK = "\u02cb"
+"""What a backtick inside a code span becomes (ˋ, a modifier letter grave accent): mrkdwn has no
+escape for it, and a real one would end the span."""
+
+
+def code(value: Any) -> str:
+    """``value`` as one Slack mrkdwn code span: ``&<>`` escaped, a backtick shown as
+    :data:`SPAN_BACKTICK` and a line break as a space (neither can be escaped inside a span).
+    Inside it Slack links no URL and reads no ``*bold*``, ``_italics_`` or ``:emoji:``, so a
+    name a rank supplied (a layer such as ``http://evil.example``) reads as it is."""
+    text = str(value).replace("`", SPAN_BACKTICK).replace("\r", " ").replace("\n", " ")
+    return f"`{esc(text)}`" if text.strip() else esc(text or MISSING)
+
+
+def spans(escaped: str, layer: Any) -> str:
+    """``escaped`` (mrkdwn-escaped prose, a reason) with each ``layer NAME`` it quotes for the
+    event's ``layer`` as ``layer `NAME```: the policy engine writes a layer into its reasons
+    that way (``rank 3 layer blocks.7.attn: ...``), and a rank chose the name."""
+    if not isinstance(layer, str) or not layer:
+        return escaped
+    return escaped.replace(f"layer {esc(layer)}", f"layer {code(layer)}")
 
 
 def num(value: Any, digits: int = 4) -> str:
@@ -108,10 +133,19 @@ class _Fields:
         """Already rendered text, as code."""
         return f"`{rendered}`" if self.mrkdwn else rendered
 
+    def name(self, key: str) -> str:
+        """The field as a name a rank supplied (a layer, a path): a code span in mrkdwn
+        (:func:`code`), as it is in plain text; ``—`` when missing."""
+        value = self.e.get(key)
+        if value is None:
+            return MISSING
+        return code(value) if self.mrkdwn else str(value)
+
     @property
     def reason(self) -> str:
-        """The event's prose reason, or ``""``."""
-        return self.esc(str(self.e.get("reason") or ""))
+        """The event's prose reason, or ``""`` (in mrkdwn the layer it quotes as code)."""
+        text = self.esc(str(self.e.get("reason") or ""))
+        return spans(text, self.e.get("layer")) if self.mrkdwn else text
 
     def because(self, line: str, why: str | None = None) -> str:
         """``line: why`` (the event's reason by default); just ``line`` without one."""
@@ -121,7 +155,7 @@ class _Fields:
     def where(self) -> str:
         """``on rank 3, layer blocks.7.attn`` from the fields present (``""`` for neither)."""
         parts = [f"rank {self.text('rank')}"] if self.get("rank") is not None else []
-        parts += [f"layer {self.text('layer')}"] if self.get("layer") is not None else []
+        parts += [f"layer {self.name('layer')}"] if self.get("layer") is not None else []
         return "on " + ", ".join(parts) if parts else ""
 
     def measured(self) -> str:
@@ -246,7 +280,10 @@ def _preempted(f: _Fields) -> str:
         line = f"{head} without an emergency checkpoint"
     else:
         line = f"{head} after an emergency checkpoint at step {f.num('checkpoint_step')}"
-    return f"{line}; {f.code('spikeguard submit')} of the same job resumes it"
+    resume = f"{f.code('spikeguard submit')} of the same job resumes it"
+    if f.get("checkpoint_step") is None and f.get("resume_step") is not None:
+        resume += f" from step {f.num('resume_step')}"  # the newest usable checkpoint
+    return f"{line}; {resume}"
 
 
 def _lr_cut(f: _Fields) -> str:
@@ -297,12 +334,14 @@ def _forensics(f: _Fields) -> str:
     answered = _items(f.get("ranks_answered"))
     if not answered or f.get("path") is None:
         return f"{head}: no rank answered within {f.num('waited_s', 2)} s (of {asked} asked)"
+    if f.get("batches") == 0 and not f.get("truncated"):  # an older journal's event
+        return f"{head}: the script passes no batch ids to {f.code('sg.step()')}"
     steps = _items(f.get("steps"))
     window = f" of steps {f.esc(num(steps[0]))}–{f.esc(num(steps[1]))}" if len(steps) == 2 else ""
     ranks = f.esc(ranks_text(answered))
     return (
         f"{head}: {f.num('batches')} batch ids{window} from ranks {ranks} "
-        f"({len(answered)} of {asked}) → {f.code(f.text('path'))}"
+        f"({len(answered)} of {asked}) → {f.name('path')}"
     )
 
 

@@ -17,8 +17,9 @@ controller loop is stuck); :mod:`.exporter` turns them into ``prometheus_client`
 
 Naming follows Prometheus' conventions: a ``spikeguard_`` prefix, base units in the name
 (``_seconds``, ``_nats``, ``_ratio``), ``_total`` on counters, and labels whose values are
-bounded: ``run`` (the job's name), ``rank`` (the world size), ``layer`` (at most ``max_layers``
-names, the rest folded into ``layer="(other)"``), ``rule`` (the policy's rule names),
+bounded: ``run`` (the job's name), ``rank`` (the world size), ``layer`` (per per-layer signal, at
+most ``max_layers`` names: the worst layers, the rest folded into ``layer="(other)"``; see
+:meth:`MetricsFold._admit`), ``rule`` (the policy's rule names),
 ``phase``/``outcome``/``reason``/``severity`` (fixed sets). Never a step, never a free-text
 reason.
 """
@@ -31,7 +32,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from spikeguard.workers.contract.signals import LAYER_SIGNALS, aggregate, spec_of, specs
+from spikeguard.workers.contract.signals import LAYER_SIGNALS, aggregate, spec_of, specs, worse
 
 from ..decide import recovery as rc
 from ..decide.lifecycle import outcome_of
@@ -39,7 +40,8 @@ from ..intake.collector import Collector
 
 PREFIX = "spikeguard_"
 OTHER_LAYERS = "(other)"
-"""The ``layer`` label of the signals of every layer beyond ``max_layers``."""
+"""The ``layer`` label of a per-layer signal's layers beyond the ``max_layers`` worst: their
+worst value (the signal's aggregation over them)."""
 MAX_LABEL_CHARS = 120
 """A longer layer name is shortened (with a hash of the whole, so two stay apart)."""
 DURATION_BUCKETS = (1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
@@ -69,6 +71,7 @@ DROP_REASONS = (
     "stale_generation",
     "agent_overflow",
     "rank_backpressure",
+    "too_many_layers",
 )
 """The ``reason`` label of dropped reports (anything else counts as ``other``)."""
 
@@ -172,8 +175,11 @@ class MetricsFold:
     def __init__(self, *, run: str, max_layers: int = 64) -> None:
         self.run = run
         self.max_layers = max_layers
-        self._layers: dict[str, str] = {}
-        """Admitted layer name -> its label value, in the order first reported."""
+        self._layers: dict[str, dict[str, str]] = {}
+        """Per-layer signal -> its layers exported under their own name (name -> label value):
+        at most ``max_layers``, the worst ones (:meth:`_admit`)."""
+        self._folded = 0
+        """At the last tick: the most layer names any per-layer signal folded into (other)."""
         self._last: Snapshot | None = None
         self._tick_at: float | None = None
         self._tokens_base: dict[int, int] = {}
@@ -242,27 +248,65 @@ class MetricsFold:
 
     # -- the collector ---------------------------------------------------------------------------
     def tick(self, snap: Snapshot) -> None:
-        """Take the controller's view at one tick (it replaces the previous one)."""
+        """Take the controller's view at one tick (it replaces the previous one), and choose
+        for each per-layer signal the layers it exports under their own name (:meth:`_admit`)."""
         for r in snap.ranks:
             seen = self._tokens_seen.get(r.rank, 0)
             if r.tokens_total < seen:  # a new generation: its ranks count from 0 again
                 self._tokens_base[r.rank] = self._tokens_base.get(r.rank, 0) + seen
             self._tokens_seen[r.rank] = r.tokens_total
-            for name in r.layers:
-                self._admit(name)
+        worst: dict[str, dict[str, float]] = {}  # signal -> layer -> the worst over ranks
+        for r in snap.ranks:
+            for name, signals in r.layers.items():
+                for signal, value in signals.items():
+                    if signal not in LAYER_SIGNALS or not _number(value):
+                        continue
+                    at = worst.setdefault(signal, {})
+                    old = at.get(name)
+                    at[name] = float(value) if old is None else worse(signal, old, float(value))
+        folded = 0
+        for signal, values in worst.items():
+            admitted = self._admit(signal, values)
+            folded = max(folded, sum(1 for n in values if n not in admitted))
+        self._folded = folded
         self._last = snap
         self._tick_at = snap.now
 
-    def _admit(self, name: str) -> None:
-        if name in self._layers or len(self._layers) >= self.max_layers:
-            return
-        label = name
-        if len(name) > MAX_LABEL_CHARS:
-            digest = hashlib.sha256(name.encode("utf-8", "replace")).hexdigest()[:8]
-            label = f"{name[: MAX_LABEL_CHARS - 10]}…{digest}"
-        if label == OTHER_LAYERS or label in self._layers.values():
-            return  # cannot be told apart: folded into (other)
-        self._layers[name] = label
+    def _admit(self, signal: str, values: Mapping[str, float]) -> dict[str, str]:
+        """Which layers ``signal`` exports under their own name, given its value per layer at
+        this tick (the worst over ranks): up to ``max_layers`` of them, the worst first (where
+        its declaration says trouble lies, NaN worst of all; ties in the order reported). Once
+        full, a layer replaces the least bad exported one only when it is strictly worse (one
+        not reported now is the least bad of all), so a series stays put while nothing worse
+        comes along, and memory stays at ``max_layers`` names per signal, whatever the run's
+        names. Returns the admitted layers (name -> label)."""
+        admitted = self._layers.setdefault(signal, {})
+        cap = self.max_layers
+        if cap <= 0:
+            return admitted
+        labels = set(admitted.values())
+        bad = {n: badness(signal, v) for n, v in values.items()}
+
+        def now(name: str) -> float:
+            return bad.get(name, -math.inf)
+
+        victims = sorted(admitted, key=now)  # the least bad first
+        floor = now(victims[0]) if len(admitted) >= cap else -math.inf
+        candidates = [n for n in values if n not in admitted and bad[n] > floor]
+        candidates.sort(key=lambda n: -bad[n])  # the worst first (stable: the order reported)
+        next_victim = 0
+        for name in candidates:
+            label = _label_value(name)
+            if label == OTHER_LAYERS or label in labels:
+                continue  # cannot be told apart: folded into (other)
+            if len(admitted) >= cap:
+                if next_victim == len(victims) or bad[name] <= now(victims[next_victim]):
+                    break  # no exported layer is less bad than this one (nor than the rest)
+                labels.discard(admitted.pop(victims[next_victim]))
+                next_victim += 1
+            admitted[name] = label
+            labels.add(label)
+        return admitted
 
     # -- the exposition ---------------------------------------------------------------------------
     def families(self, now: float) -> list[Family]:
@@ -343,9 +387,10 @@ class MetricsFold:
             _gauge("world_size", "ranks per generation", ("run",), {(run,): len(snap.ranks)}),
             _gauge(
                 "layers_folded",
-                'layer names beyond max_layers, exported as layer="(other)"',
+                "layer names beyond max_layers (the most of any per-layer signal), exported as "
+                'layer="(other)"',
                 ("run",),
-                {(run,): self._folded_count()},
+                {(run,): self._folded},
             ),
             _gauge(
                 "tick_age_seconds",
@@ -355,12 +400,6 @@ class MetricsFold:
             ),
         ]
         return gauges
-
-    def _folded_count(self) -> int:
-        names: set[str] = set()
-        for r in self._last.ranks if self._last else ():
-            names.update(n for n in r.layers if n not in self._layers)
-        return len(names)
 
     def _rank_families(self, now: float) -> list[Family]:
         snap, run = self._last, self.run
@@ -424,15 +463,17 @@ class MetricsFold:
         return out
 
     def _layer_values(self, layers: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, float]]:
-        """Per exported layer label: its signals; the layers beyond the cap folded into
-        ``(other)`` with the worst value of each signal (NaN if any is NaN)."""
+        """Per exported layer label: its signals; the layers a signal does not export under
+        their own name folded into ``(other)`` with the worst value (NaN if any is NaN)."""
         out: dict[str, dict[str, float]] = {}
         other: dict[str, list[float]] = {}
+        if self.max_layers <= 0:
+            return out  # no per-layer series at all (the rank_ families have the worst layer)
         for name, signals in layers.items():
-            label = self._layers.get(name)
             for signal, value in signals.items():
                 if signal not in LAYER_SIGNALS or not _number(value):
                     continue
+                label = self._layers.get(signal, {}).get(name)
                 if label is not None:
                     out.setdefault(label, {})[signal] = float(value)
                 else:
@@ -527,6 +568,24 @@ def _bump(counts: dict[Any, int], key: Any) -> None:
 def _label(value: Any) -> str:
     """A rule name as a label value (None: empty; clipped like a layer name)."""
     return "" if value is None else str(value)[:MAX_LABEL_CHARS]
+
+
+def _label_value(name: str) -> str:
+    """A layer name as a label value: clipped to :data:`MAX_LABEL_CHARS` with a hash of the
+    whole, so two long names stay apart."""
+    if len(name) <= MAX_LABEL_CHARS:
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "replace")).hexdigest()[:8]
+    return f"{name[: MAX_LABEL_CHARS - 10]}…{digest}"
+
+
+def badness(signal: str, value: float) -> float:
+    """How bad ``value`` of ``signal`` is, larger worse (by where its declaration says trouble
+    lies), NaN the worst of all: the sort key of "the worst layers" here and in the report's
+    run data (:mod:`.rundata`)."""
+    if math.isnan(value):
+        return math.inf
+    return value if spec_of(signal).worse_high else -value
 
 
 def _float(x: Any) -> float | None:

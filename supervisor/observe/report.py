@@ -35,7 +35,8 @@ from ..decide.lifecycle import outcome_of
 from ..intake import forensics as fx
 from ..redaction import held_secrets
 from .describe import describe, ranks_text
-from .rundata import Generation, RunData, load_run
+from .metrics import badness
+from .rundata import Forensics, Generation, LayerSeries, RunData, load_run
 from .svg import PALETTE, Axis, Chart, color_scale, esc, finite
 
 WIDTH = 1100
@@ -46,7 +47,8 @@ MAX_POINTS = 1500
 MAX_COLUMNS = 400
 """A heatmap band is binned down to at most this many columns."""
 MAX_LAYER_ROWS = 48
-"""A heatmap band shows at most this many layers (the ones that fell lowest)."""
+"""A heatmap band shows at most this many layers (the ones that fell lowest, of the
+:data:`.rundata.MAX_LAYER_SERIES` the run data keeps); the rest are counted under the band."""
 MAX_IDS_SHOWN = 12
 """Batch-id entries listed per rank of an incident (the file has them all)."""
 HEATMAPS: dict[str, tuple[str, float, float]] = {
@@ -325,20 +327,22 @@ class _Page:
         return out or ['<p class="muted">No per-layer reports.</p>']
 
     def _heatmap(self, signal: str, title: str, lo: float, hi: float) -> str | None:
-        bands: list[tuple[Generation, list[str], int]] = []
+        bands: list[tuple[Generation, list[LayerSeries], str]] = []
         for g in self.run.generations.values():
-            names = [n for n in self.run.layer_names if _has(g, n, signal)]
-            if not names:
+            kept = list(g.series.get(signal, {}).values())
+            if not kept:
                 continue
-            hidden = max(0, len(names) - MAX_LAYER_ROWS)
-            if hidden:
-                names = sorted(names, key=lambda n: _lowest(g, n, signal))[:MAX_LAYER_ROWS]
-                names = [n for n in self.run.layer_names if n in names]
-            bands.append((g, names, hidden))
+            worst_first = sorted(kept, key=lambda s: (-badness(signal, s.worst), s.order, s.name))
+            shown = worst_first[:MAX_LAYER_ROWS]
+            shown.sort(key=lambda s: (s.order, s.name))  # then in the model's order
+            count, more = g.layer_count(signal)
+            hidden = max(0, count - len(shown))
+            note = f"+{'at least ' if more else ''}{hidden} layers not shown" if hidden else ""
+            bands.append((g, shown, note))
         if not bands:
             return None
         row_h, gap = 14, 10
-        rows = sum(len(n) for _, n, _ in bands)
+        rows = sum(len(shown) for _, shown, _ in bands)
         height = 26 + rows * row_h + gap * len(bands) + 30
         chart = Chart(
             title=title,
@@ -352,24 +356,24 @@ class _Page:
             right=RIGHT,
         )
         y = float(chart.top)
-        for g, names, hidden in bands:
-            samples = sorted(g.layers)
+        for g, shown, note in bands:
+            samples = sorted(g.layer_steps)
             cols = _columns(samples)
-            for name in names:
-                label = redact(f"g{g.number} {name}", self.secrets)
+            for series in shown:
+                label = redact(f"g{g.number} {series.name}", self.secrets)
                 chart.text(LEFT - 6, y + row_h - 3, _clip(label, 30), anchor="end", cls="row")
                 for first, last, steps in cols:
-                    value = _worst([g.layers[s].get(name, {}).get(signal) for s in steps], signal)
+                    value = _worst([series.values.get(s) for s in steps], signal)
                     x0, x1 = chart.px(first), chart.px(last)
                     if x0 is None or x1 is None:
                         continue
                     frac = None if value is None else (value - lo) / (hi - lo)
                     tip = f"{label} step {steps[0]}: {signal} {_fmt(value)}"
                     chart.rect(x0, x1, y, y + row_h - 1, fill=color_scale(frac), label=tip)
-                self._incident_box(chart, g, name, y, row_h)
+                self._incident_box(chart, g, series.name, y, row_h)
                 y += row_h
-            if hidden:
-                chart.text(LEFT - 6, y + 9, f"+{hidden} layers not shown", anchor="end")
+            if note:
+                chart.text(LEFT - 6, y + 9, note, anchor="end")
             y += gap
         return chart.render()
 
@@ -435,13 +439,14 @@ class _Page:
     def forensics(self) -> str:
         run = self.run
         skipped = {g.number: g.skipped for g in run.generations.values() if g.skipped}
-        if not run.forensics and not skipped:
+        files = [item for item in run.forensics if not _no_ids(item)]
+        if not files and not skipped:
             return (
                 '<p class="muted">No batch ids on file (no incident, or the script passes no '
                 "<code>batch_ids</code> to <code>sg.step()</code>).</p>"
             )
         out = []
-        for item in run.forensics:
+        for item in files:
             head = f"{self.t(item.incident)}, attempt {item.attempt}"
             if item.doc is None:
                 out.append(f'<p class="bad">{head}: {self.t(item.error)}</p>')
@@ -537,18 +542,6 @@ def _thin(points: list[tuple[int, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def _has(g: Generation, layer: str, signal: str) -> bool:
-    return any(signal in g.layers[s].get(layer, {}) for s in g.layers)
-
-
-def _lowest(g: Generation, layer: str, signal: str) -> float:
-    vals = [g.layers[s].get(layer, {}).get(signal) for s in g.layers]
-    nums = [v for v in vals if isinstance(v, float)]
-    if any(math.isnan(v) for v in nums):
-        return -math.inf
-    return min(nums) if nums else math.inf
-
-
 def _worst(values: list[Any], signal: str) -> float | None:
     nums = [float(v) for v in values if isinstance(v, (int, float))]
     if not nums:
@@ -556,6 +549,15 @@ def _worst(values: list[Any], signal: str) -> float | None:
     if any(math.isnan(v) for v in nums):
         return math.nan
     return min(nums)
+
+
+def _no_ids(item: Forensics) -> bool:
+    """A batch-ids file whose ranks answered with no batch id at all (the script passes none to
+    ``sg.step()``, as the HF and Lightning callbacks do): nothing to show."""
+    if item.doc is None:
+        return False
+    s = fx.summary(item.doc)
+    return s["batches"] == 0 and not s["truncated"] and bool(item.doc.get("answered"))
 
 
 def _columns(samples: list[int]) -> list[tuple[float, float, list[int]]]:

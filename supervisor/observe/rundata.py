@@ -10,13 +10,18 @@ malformed line costs that line only.
 Per (generation, step), over ranks: the mean loss and grad norm (every heartbeat), and the worst
 of each declared per-layer signal (every report's summary, by where its declaration says trouble
 lies): the lowest grade, rank ratio and entropy, the highest logit and log Z. Per (generation,
-step, layer): the lowest grade and normalised min-head entropy (:data:`HEATMAP_SIGNALS`).
+step, layer): the lowest grade and normalised min-head entropy (:data:`HEATMAP_SIGNALS`), for the
+worst :data:`MAX_LAYER_SERIES` layers of each generation and signal only: a run whose ranks
+reported tens of thousands of layer names (an old run, a hostile rank) costs the report time in
+proportion to its file and memory in proportion to that bound, not to names × steps. The layers
+left out are counted (:attr:`Generation.layer_count`), so the page can say how many it hides.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gzip
+import heapq
 import json
 import math
 from pathlib import Path
@@ -28,10 +33,102 @@ from spikeguard.workers.contract.signals import LAYER_SIGNALS, worse
 from ..decide import recovery as rc
 from ..intake import forensics
 from ..journal import read_events
+from .metrics import badness
 
 HEATMAP_SIGNALS = ("grade", "attn_entropy_min_norm")
 """The per-layer signals kept per layer: the ones the report's heatmaps show (every declared
 per-layer signal is kept per step, the worst over ranks)."""
+MAX_LAYER_SERIES = 256
+"""Per generation and heatmap signal, how many layers keep their per-step values: the worst ones
+by their worst value so far (the report shows the worst :data:`~.report.MAX_LAYER_ROWS` of them).
+Below it, every layer is kept and the choice is exact; above it, a layer is admitted only when
+its value is worse than the least bad kept one's, which it then replaces (a layer let in late
+has its values from then on: the steps before read "not sampled")."""
+MAX_NAMES_COUNTED = 65_536
+"""Distinct layer names remembered for counting and row order, per generation and signal (and
+for the run's row order); beyond it a count is a lower bound (:attr:`Generation.layer_count`)."""
+
+
+@dataclasses.dataclass
+class LayerSeries:
+    """One layer's values of one heatmap signal, per sampled step (the worst over ranks)."""
+
+    name: str
+    order: int
+    """When the run first reported the layer: the rows' order (the model's order, usually)."""
+    worst: float
+    """Its worst value over the steps kept (NaN: a non-finite value, the worst of all)."""
+    values: dict[int, float] = dataclasses.field(default_factory=dict)
+
+
+class _Kept:
+    """The worst :data:`MAX_LAYER_SERIES` layers of one (generation, signal), kept while the
+    reports stream by: a layer not kept replaces the least bad kept one when its value is worse.
+    ``_heap`` holds (badness, name) with stale entries dropped lazily (a kept layer's badness only
+    grows); ``_floor`` is a lower bound of the least bad kept layer's badness, so most values of
+    layers not kept are turned away without touching the heap."""
+
+    def __init__(self, signal: str) -> None:
+        self.signal = signal
+        self.series: dict[str, LayerSeries] = {}
+        self.names: set[str] = set()
+        self.more = False
+        """A name beyond :data:`MAX_NAMES_COUNTED` was seen: the count is a lower bound."""
+        self._heap: list[tuple[float, str]] = []
+        self._floor = -math.inf
+
+    def add(self, name: str, step: int, value: float, order: dict[str, int]) -> None:
+        """Fold one rank's ``value`` of layer ``name`` at ``step`` in: amortised constant time,
+        logarithmic in :data:`MAX_LAYER_SERIES` when it displaces a kept layer."""
+        kept = self.series.get(name)
+        if kept is not None:
+            old = kept.values.get(step)
+            kept.values[step] = value if old is None else worse(self.signal, old, value)
+            kept.worst = worse(self.signal, kept.worst, value)
+            return
+        self._count(name)
+        at = _order_of(name, order)
+        bad = badness(self.signal, value)
+        if len(self.series) >= MAX_LAYER_SERIES:
+            if bad <= self._floor or bad <= self._least_bad():
+                return  # not worse than any kept layer
+            _, victim = heapq.heappop(self._heap)
+            del self.series[victim]
+        self.series[name] = LayerSeries(name, at, value, {step: value})
+        heapq.heappush(self._heap, (bad, name))
+
+    def _least_bad(self) -> float:
+        """The least bad kept layer's badness (its heap entry made current, on top)."""
+        while True:
+            bad, name = self._heap[0]
+            kept = self.series.get(name)
+            now = None if kept is None else badness(self.signal, kept.worst)
+            if now == bad:
+                self._floor = bad
+                return bad
+            if now is None:  # not kept any more (cannot happen: an evicted layer is popped)
+                heapq.heappop(self._heap)
+            else:  # it got worse since it was pushed: move it down the heap
+                heapq.heapreplace(self._heap, (now, name))
+
+    def _count(self, name: str) -> None:
+        if name in self.names:
+            return
+        if len(self.names) < MAX_NAMES_COUNTED:
+            self.names.add(name)
+        else:
+            self.more = True
+
+
+def _order_of(name: str, order: dict[str, int]) -> int:
+    """``name``'s place in the run's first-seen order (remembered for at most
+    :data:`MAX_NAMES_COUNTED` names; a later one comes after all of them)."""
+    at = order.get(name)
+    if at is None:
+        at = len(order)
+        if at < MAX_NAMES_COUNTED:
+            order[name] = at
+    return at
 
 
 @dataclasses.dataclass
@@ -42,9 +139,11 @@ class Generation:
     loss: dict[int, float] = dataclasses.field(default_factory=dict)
     grad_norm: dict[int, float] = dataclasses.field(default_factory=dict)
     signals: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
-    layers: dict[int, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
+    layer_steps: set[int] = dataclasses.field(default_factory=set)
+    """The steps any rank reported a heatmap signal of a layer at (the heatmap's samples)."""
     skipped: dict[int, str] = dataclasses.field(default_factory=dict)
     """Step -> how its batch was skipped (``steps`` or ``batch_ids``)."""
+    _kept: dict[str, _Kept] = dataclasses.field(default_factory=dict, repr=False)
     _sums: dict[int, list[float]] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -52,6 +151,27 @@ class Generation:
         """The first and last step any rank of this generation reported."""
         known = list(self._sums) or list(self.loss) or list(self.signals)
         return (min(known), max(known)) if known else None
+
+    @property
+    def series(self) -> dict[str, dict[str, LayerSeries]]:
+        """Heatmap signal -> the layers kept for it (at most :data:`MAX_LAYER_SERIES`)."""
+        return {signal: k.series for signal, k in self._kept.items()}
+
+    def layer_count(self, signal: str) -> tuple[int, bool]:
+        """How many distinct layers reported ``signal`` in this generation, and whether that is
+        only a lower bound (more than :data:`MAX_NAMES_COUNTED`)."""
+        k = self._kept.get(signal)
+        return (0, False) if k is None else (len(k.names), k.more)
+
+    @property
+    def layers(self) -> dict[int, dict[str, dict[str, float]]]:
+        """Step -> layer -> signal -> value, of the layers kept (built on each call)."""
+        out: dict[int, dict[str, dict[str, float]]] = {}
+        for signal, kept in self.series.items():
+            for name, s in kept.items():
+                for step, value in s.values.items():
+                    out.setdefault(step, {}).setdefault(name, {})[signal] = value
+        return dict(sorted(out.items()))
 
 
 @dataclasses.dataclass
@@ -75,6 +195,7 @@ class RunData:
     state: rc.State | None
     generations: dict[int, Generation]
     layer_names: list[str]
+    """The layers kept in any generation (:attr:`Generation.series`), in first-seen order."""
     checkpoints: list[Any]
     checkpoint_problems: list[tuple[str, str]]
     forensics: list[Forensics]
@@ -109,16 +230,19 @@ def load_run(run_dir: str | Path) -> RunData:
     except (ValueError, TypeError, KeyError) as e:
         problems.append(f"the journal does not fold into a recovery state: {e}")
     generations: dict[int, Generation] = {}
-    layer_names: dict[str, None] = {}
+    order: dict[str, int] = {}
     if reports is None:
         problems.append("no reports.jsonl(.gz): the panels are empty")
     else:
         try:
-            _read_reports(reports, generations, layer_names)
+            _read_reports(reports, generations, order)
         except (OSError, EOFError) as e:  # a truncated .gz: what was read so far counts
             problems.append(f"{reports.name} could not be read to its end: {e}")
+    kept: dict[str, int] = {}
     for g in generations.values():
         _finish(g)
+        for series in g.series.values():
+            kept.update((name, s.order) for name, s in series.items())
     ckpts = list_checkpoints(run / "checkpoints")
     names = [e.get("run") for e in events if isinstance(e.get("run"), str)]
     return RunData(
@@ -127,7 +251,7 @@ def load_run(run_dir: str | Path) -> RunData:
         events=events,
         state=state,
         generations=dict(sorted(generations.items())),
-        layer_names=list(layer_names),
+        layer_names=sorted(kept, key=lambda n: (kept[n], n)),
         checkpoints=list(ckpts),
         checkpoint_problems=list(ckpts.problems),
         forensics=_read_forensics(run),
@@ -136,7 +260,7 @@ def load_run(run_dir: str | Path) -> RunData:
     )
 
 
-def _read_reports(path: Path, gens: dict[int, Generation], layers: dict[str, None]) -> None:
+def _read_reports(path: Path, gens: dict[int, Generation], order: dict[str, int]) -> None:
     with _open_reports(path) as f:
         for line in f:
             try:
@@ -144,7 +268,7 @@ def _read_reports(path: Path, gens: dict[int, Generation], layers: dict[str, Non
             except (ValueError, RecursionError):
                 continue
             if isinstance(msg, dict):
-                _fold(msg, gens, layers)
+                _fold(msg, gens, order)
 
 
 def _int(x: Any) -> bool:
@@ -155,7 +279,9 @@ def _num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _fold(msg: dict[str, Any], gens: dict[int, Generation], layers: dict[str, None]) -> None:
+def _fold(msg: dict[str, Any], gens: dict[int, Generation], order: dict[str, int]) -> None:
+    """Fold one rank message into its generation; ``order`` is the run's first-seen order of
+    layer names (:func:`_order_of`)."""
     kind, gen, step = msg.get("type"), msg.get("gen"), msg.get("step")
     if not (_int(gen) and _int(step)):
         return
@@ -187,17 +313,18 @@ def _fold(msg: dict[str, Any], gens: dict[int, Generation], layers: dict[str, No
             _keep_worst(worst, name, summary.get(name))
     per_layer = msg.get("layers")
     if isinstance(per_layer, dict):
-        at = g.layers.setdefault(step, {})
         for layer, signals in per_layer.items():
             if not isinstance(signals, dict):
                 continue
-            shown = {s: signals[s] for s in HEATMAP_SIGNALS if s in signals}
-            if not shown:
-                continue
-            layers.setdefault(str(layer))
-            cell = at.setdefault(str(layer), {})
-            for name, value in shown.items():
-                _keep_worst(cell, name, value)
+            for name in HEATMAP_SIGNALS:
+                value = signals.get(name)
+                if not _num(value):
+                    continue
+                kept = g._kept.get(name)
+                if kept is None:
+                    kept = g._kept[name] = _Kept(name)
+                kept.add(str(layer), step, float(value), order)
+                g.layer_steps.add(step)
 
 
 def _keep_worst(into: dict[str, float], name: str, value: Any) -> None:

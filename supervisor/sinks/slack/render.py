@@ -5,6 +5,9 @@ into what the thread's root message shows, and the ``*_message`` functions turn 
 into :class:`SlackMessage` objects. Every user-supplied string is escaped for mrkdwn and every
 text is clipped to Block Kit's limits (header 150 chars, section text 3000, field 2000), so a very
 long reason or run name degrades to an ellipsis instead of an ``invalid_blocks`` error at 3 a.m.
+What a rank named (a layer, a checkpoint path) is a code span wherever it appears, a reason's
+``layer NAME`` included (:func:`~...observe.describe.code`): a URL, a ``<!channel>`` or ``*bold*``
+in a layer's name is shown as text, never as a link, a mention or markup.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from spikeguard.workers.contract.signals import grade_text, is_grade
 
 from ...decide.events import Kind
 from ...decide.lifecycle import CONCLUDED, IncidentState, concludes, leads_to
-from ...observe.describe import describe, duration_text, esc, num, ranks_text
+from ...observe.describe import MISSING, code, describe, duration_text, esc, num, ranks_text, spans
 
 HEADER_MAX, SECTION_MAX, FIELD_MAX, CONTEXT_MAX, TEXT_MAX = 150, 3000, 2000, 2000, 3900
 EMOJI = {
@@ -206,8 +209,19 @@ def _link(url: str | None, label: str) -> str | None:
     return (
         f"<{esc(url)}|{label}>"
         if url.startswith(("http://", "https://"))
-        else f"{label}: `{esc(url)}`"
+        else f"{label}: {code(url)}"
     )
+
+
+def _name(value: Any) -> str:
+    """A name a rank supplied (a layer) as a code span; ``—`` when missing."""
+    return MISSING if value is None or value == MISSING else code(value)
+
+
+def _prose(text: Any, layer: Any) -> str:
+    """Prose (a reason, an outcome, a plain line) escaped for mrkdwn, the ``layer NAME`` it
+    quotes as code."""
+    return spans(esc(text), layer)
 
 
 def links_text(links: Links) -> str | None:
@@ -244,9 +258,10 @@ class _Dash(dict):  # type: ignore[type-arg]
 def root_message(view: IncidentView, links: Links, mention: str | None) -> SlackMessage:
     """The thread's root: what broke, what spikeguard did so far, and whether a human is needed."""
     f = _Dash(view.fired)  # a missing field shows as "—" (e.g. the incident event was lost)
-    where = f"rank {f.get('rank')}, layer {f.get('layer')}"
+    layer = view.fired.get("layer")
+    where = f"rank {esc(f.get('rank'))}, layer {_name(layer)}"
     what = (
-        f"*{esc(f.get('signal'))}* = {esc(num(f.get('value')))} on {esc(where)} at step "
+        f"*{esc(f.get('signal'))}* = {esc(num(f.get('value')))} on {where} at step "
         f"{num(f.get('step'))}"
     )
     took = f" in {view.took()}" if view.took() else ""
@@ -265,12 +280,12 @@ def root_message(view: IncidentView, links: Links, mention: str | None) -> Slack
         ),
         IncidentState.RESOLVED: (
             f"{EMOJI['probation_passed']} *Resolved by spikeguard*{took}: "
-            f"{esc(view.outcome)}. No action needed.",
+            f"{_prose(view.outcome, layer)}. No action needed.",
             False,
             f"resolved: {view.outcome}",
         ),
         IncidentState.ESCALATED: (
-            f"{EMOJI['escalated']} *Human needed:* {esc(view.outcome)}. Automatic "
+            f"{EMOJI['escalated']} *Human needed:* {_prose(view.outcome, layer)}. Automatic "
             "recovery has stopped.",
             True,
             f"HUMAN NEEDED: {view.outcome}",
@@ -285,7 +300,7 @@ def root_message(view: IncidentView, links: Links, mention: str | None) -> Slack
                 ("Signal", f"`{esc(f.get('signal'))}` = {esc(num(f.get('value')))}"),
                 (
                     "Worst rank · layer",
-                    f"rank {esc(f.get('rank'))} · layer {esc(f.get('layer'))} (fell first)",
+                    f"rank {esc(f.get('rank'))} · layer {_name(layer)} (fell first)",
                 ),
                 ("Step", num(f.get("step"))),
                 ("Loss", esc(num(f.get("loss")))),
@@ -296,17 +311,17 @@ def root_message(view: IncidentView, links: Links, mention: str | None) -> Slack
         ),
     ]
     if view.fired.get("reason"):
-        blocks.append(_section(f"*Why:* {esc(view.fired['reason'])}"))
+        blocks.append(_section(f"*Why:* {_prose(view.fired['reason'], layer)}"))
     if view.done:
         blocks.append(_section("*Done so far:* " + " → ".join(esc(d) for d in view.done)))
     blocks.append(
-        _context(*[t for t in (links_text(links), f"incident `{esc(view.incident)}`") if t])
+        _context(*[t for t in (links_text(links), f"incident {code(view.incident)}") if t])
     )
     fallback = (
-        f"{root_header(view)}: {f.get('signal')}={num(f.get('value'))} on {where} at step "
-        f"{num(f.get('step'))} — {tail}"
+        f"{esc(root_header(view))}: {esc(f.get('signal'))}={esc(num(f.get('value')))} on "
+        f"{where} at step {num(f.get('step'))} — {_prose(tail, layer)}"
     )
-    return SlackMessage(clip(_ping(esc(fallback), mention, ping), TEXT_MAX), blocks)
+    return SlackMessage(clip(_ping(fallback, mention, ping), TEXT_MAX), blocks)
 
 
 def rollback_detail(event: Mapping[str, Any], limit: int = 5) -> str:
@@ -315,12 +330,12 @@ def rollback_detail(event: Mapping[str, Any], limit: int = 5) -> str:
     its reason (``"checkpoint `…`; passed over: `…` (…); … and 3 more"``); ``""`` for neither."""
     parts = []
     if event.get("checkpoint_path"):
-        parts.append(f"checkpoint `{esc(event.get('checkpoint_path'))}`")
+        parts.append(f"checkpoint {code(event.get('checkpoint_path'))}")
     raw = event.get("skipped")
     skipped = [s for s in raw if isinstance(s, Mapping)] if isinstance(raw, list) else []
     if skipped:
         listed = "; ".join(
-            f"`{esc(s.get('path'))}` ({esc(s.get('reason'))})" for s in skipped[:limit]
+            f"{code(s.get('path'))} ({esc(s.get('reason'))})" for s in skipped[:limit]
         )
         more = f" and {len(skipped) - limit} more" if len(skipped) > limit else ""
         parts.append(f"passed over: {listed}{more}")
@@ -336,7 +351,8 @@ def step_message(
     state = leads_to(kind)
     escalated = state is IncidentState.ESCALATED
     ping = escalated or (kind == Kind.ALERT and event.get("severity") == "page")
-    why, line = esc(event.get("reason") or ""), describe(event, "mrkdwn")
+    why = _prose(event.get("reason") or "", event.get("layer"))
+    line = describe(event, "mrkdwn")
     if state is IncidentState.RESOLVED:
         took = f" in {view.took()}" if view.took() else ""
         body = f"{emoji} {line}. Recovered{took}; training continues, no action needed."
@@ -357,22 +373,20 @@ def step_message(
         blocks.append(_context(why))  # unless the line says it, or the reason restates the line
     elif kind == Kind.ROLLBACK and rollback_detail(event):
         blocks.append(_context(rollback_detail(event)))
-    return SlackMessage(
-        clip(_ping(esc(f"[{view.incident}] {describe(event)}"), mention, ping), TEXT_MAX),
-        blocks,
-    )
+    fallback = _prose(f"[{view.incident}] {describe(event)}", event.get("layer"))
+    return SlackMessage(clip(_ping(fallback, mention, ping), TEXT_MAX), blocks)
 
 
 def alert_message(
     event: Mapping[str, Any], run: str, links: Links, mention: str | None, repeats: int = 0
 ) -> SlackMessage:
     """A standalone notification (``alert``), headed ``[WARN] rule · run``."""
-    sev = str(event.get("severity") or "warn")
+    sev, layer = str(event.get("severity") or "warn"), event.get("layer")
     blocks: list[dict[str, Any]] = [
         _header(f"[{sev.upper()}] {event.get('rule')} · {run}"),
         _section(
             _ping(
-                f"{EMOJI['alert']} {esc(event.get('reason') or describe(event))}",
+                f"{EMOJI['alert']} {_prose(event.get('reason') or describe(event), layer)}",
                 mention,
                 sev == "page",
             )
@@ -382,7 +396,7 @@ def alert_message(
                 ("Signal", f"`{esc(event.get('signal'))}` = {esc(num(event.get('value')))}"),
                 (
                     "Rank · layer",
-                    f"rank {esc(event.get('rank', '—'))} · layer {esc(event.get('layer', '—'))}",
+                    f"rank {esc(event.get('rank', '—'))} · layer {_name(layer)}",
                 ),
                 ("Step", num(event.get("step"))),
                 ("Rule", f"`{esc(event.get('rule'))}`"),
@@ -394,8 +408,8 @@ def alert_message(
     )
     if footer:
         blocks.append(_context(*footer))
-    text = f"[{sev.upper()}] {run}: {describe(event)}"
-    return SlackMessage(clip(_ping(esc(text), mention, sev == "page"), TEXT_MAX), blocks)
+    text = _prose(f"[{sev.upper()}] {run}: {describe(event)}", layer)
+    return SlackMessage(clip(_ping(text, mention, sev == "page"), TEXT_MAX), blocks)
 
 
 def run_message(
@@ -420,6 +434,6 @@ def standalone_step_message(
         return root_message(view, links, mention)
     reply = step_message(event, view, links, mention)
     prefix = _context(
-        f"{EMOJI['incident']} *{esc(root_header(view))}* · incident `{esc(view.incident)}`"
+        f"{EMOJI['incident']} *{esc(root_header(view))}* · incident {code(view.incident)}"
     )
     return SlackMessage(reply.text, [prefix, *reply.blocks])
