@@ -19,20 +19,31 @@ Destinations (see :mod:`spikeguard.workers.contract`):
 * ``jsonl:///path/file``    — appended to a local JSONL file
 * ``tcp://host:port``       — newline-delimited JSON to the rank's agent
 * ``unix:///path/sock``     — the same over a Unix socket
+
+Over a Unix socket each end checks who is at the other (:func:`peer_problem`, from the kernel's
+``SO_PEERCRED``): the rank's agent accepts lines only from the process it started (or one of
+its session), and the rank talks only to a server of its own uid; a standby, which knows its
+agent's pid, only to that agent. Another process of the same user (a compromised rank of an
+older generation) can then neither plant lines in a socket that is not its own nor pose as the
+agent. A TCP channel has no such check (nothing in the kernel says who the peer is): it is for
+a rank and agent the job trusts to share a network.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import queue
 import socket
+import struct
 import threading
 import time
 import weakref
 from typing import Any
 
+from .contract import logs
 from .encode import Unencodable, encode_line
 
 _STOP = object()
@@ -41,6 +52,67 @@ _HEADER = ("v", "run", "gen", "rank", "step", "t")
 """The fields of a message a ``dropped`` note sent before it repeats."""
 EXIT_FLUSH_S = 2.0
 """How long a process that exits on its own waits for its queued reports to be sent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """The process at the other end of a Unix socket, as the kernel recorded it at connect."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+_UCRED = struct.Struct("3i")
+"""``struct ucred``: pid, uid, gid (Linux)."""
+
+
+def peer_of(sock: socket.socket) -> Peer | None:
+    """The peer of the connected Unix socket ``sock`` (``SO_PEERCRED``), or None where the
+    platform has no ``SO_PEERCRED`` (then no one can be checked) or ``sock`` is not a Unix
+    socket. Raises ``OSError`` when the kernel cannot say (a socket already reset)."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None or sock.family != socket.AF_UNIX:
+        return None
+    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, option, _UCRED.size))
+    return Peer(pid=pid, uid=uid, gid=gid)
+
+
+def peer_problem(
+    sock: socket.socket, *, pid: int | None = None, session: int | None = None
+) -> str | None:
+    """Why the process at the other end of the Unix socket ``sock`` is not the expected one, or
+    None when it is.
+
+    Its uid must be this process's effective uid. With ``pid``, it must be that process (a
+    standby's agent). With ``session``, that process or one in the session it leads (a rank
+    started in a new session: its wrapper's child, its own forked helpers), never a process
+    of another session (a rank of an older generation leads its own). A platform without
+    ``SO_PEERCRED`` (not Linux) checks nothing: None.
+    """
+    try:
+        peer = peer_of(sock)
+    except OSError as e:
+        return f"the kernel cannot say who the peer is: {e}"
+    if peer is None:
+        return None
+    if peer.uid != os.geteuid():
+        return f"peer pid {peer.pid} runs as uid {peer.uid}, not {os.geteuid()}"
+    if (pid is not None or session is not None) and peer.pid <= 0:
+        return "the peer's pid is unknown here (another pid namespace)"
+    if pid is not None and peer.pid != pid:
+        return f"peer pid {peer.pid} is not the expected process {pid}"
+    if session is not None and peer.pid != session:
+        try:
+            sid = os.getsid(peer.pid)
+        except OSError as e:  # gone already, or not ours to look at
+            return f"peer pid {peer.pid}: its session is unknown ({e})"
+        if sid != session:
+            return (
+                f"peer pid {peer.pid} (session {sid}) is neither process {session} nor in "
+                "its session"
+            )
+    return None
 
 
 class Channel:
@@ -186,14 +258,19 @@ class SocketChannel(Channel):
     """Newline-delimited JSON over TCP or a Unix socket, reconnecting with backoff.
 
     While the agent is unreachable, messages are dropped and counted rather
-    than buffered without bound.
+    than buffered without bound. Over a Unix socket the server must run as this process's uid
+    and, with ``server_pid``, be that process (:func:`peer_problem`); another one is treated
+    as unreachable (nothing is sent to it, no request read from it) and said once.
     """
 
-    def __init__(self, address: str, *, maxsize: int = 1024) -> None:
+    def __init__(self, address: str, *, maxsize: int = 1024, server_pid: int | None = None) -> None:
         self._address = address
+        self._server_pid = server_pid
         self._sock: socket.socket | None = None
         self._next_try = 0.0
         self._backoff = 0.05
+        self.refused_peer: str | None = None
+        """Why the last server this channel connected to was refused (None: none was)."""
         super().__init__(maxsize=maxsize)
 
     def _connect(self) -> socket.socket | None:
@@ -205,6 +282,16 @@ class SocketChannel(Channel):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 s.settimeout(5.0)
                 s.connect(self._address[len("unix://") :])
+                problem = peer_problem(s, pid=self._server_pid)
+                if problem is not None:
+                    s.close()
+                    if self.refused_peer is None:  # the logger only now: the agent imports
+                        # this module for peer_problem, and must keep its own logging
+                        logs.logger(__name__).warning(
+                            f"report socket {self._address} refused: {problem}"
+                        )
+                    self.refused_peer = problem
+                    raise ConnectionRefusedError(problem)
             else:
                 host, _, port = self._address[len("tcp://") :].rpartition(":")
                 s = socket.create_connection((host.strip("[]"), int(port)), timeout=5.0)
@@ -269,14 +356,17 @@ class SocketChannel(Channel):
                 pass
 
 
-def open_channel(spec: str | None, *, maxsize: int = 1024) -> Channel | NullChannel:
-    """Open the channel named by ``spec`` (see the module docstring)."""
+def open_channel(
+    spec: str | None, *, maxsize: int = 1024, server_pid: int | None = None
+) -> Channel | NullChannel:
+    """Open the channel named by ``spec`` (see the module docstring). ``server_pid``: the pid
+    a ``unix://`` server must have, where it is known (a standby's agent)."""
     if spec is None or spec in ("", "off", "none"):
         return NullChannel()
     if spec.startswith("jsonl://"):
         return JsonlChannel(spec[len("jsonl://") :], maxsize=maxsize)
     if spec.startswith(("tcp://", "unix://")):
-        return SocketChannel(spec, maxsize=maxsize)
+        return SocketChannel(spec, maxsize=maxsize, server_pid=server_pid)
     raise ValueError(
         f"unknown report destination {spec!r}: expected 'off', 'jsonl:///path', "
         "'tcp://host:port' or 'unix:///path'"

@@ -12,6 +12,13 @@ model) until the script first needs to know where to start: ``resume()``, or the
   it exits with :data:`EXIT_FENCED`;
 * its parent (the rank agent) is gone: it exits with :data:`EXIT_ORPHANED`, so no standby
   outlives the supervisor that prepared it.
+
+Only its agent can release it: a standby's report channel talks to a server with the agent's
+pid alone (``SO_PEERCRED``, :func:`~.channel.peer_problem`; the agent's pid is what
+``SPIKEGUARD_STANDBY`` names), so nothing posing as the agent hands it a release and a plan.
+On the agent's side the standby's socket takes lines only from the standby's own session, and
+what arrived on it before the release (its hello) is discarded at the release: no line said
+while it waited counts as the new generation's.
 """
 
 from __future__ import annotations

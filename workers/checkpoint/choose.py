@@ -4,8 +4,8 @@
   checkpoints (cheap: no hashing);
 * :func:`verify` checks one data file's size and sha256 against its sidecar, then scans its pickle
   statically (:mod:`.pickle_scan`), so that a checkpoint the rank could not load is never chosen;
-  for a sharded checkpoint it checks the marker's checksum, every file it lists and scans the
-  DCP ``.metadata``;
+  for a sharded checkpoint it checks the marker's checksum, that the directory holds nothing the
+  marker does not list, every file it lists, and scans the DCP ``.metadata``;
 * :func:`on_lineage` says whether a checkpoint lies on the path the current launch descends from;
 * :func:`select_checkpoint` chooses the rollback target: the newest checkpoint that qualifies,
   with the reason each newer one was passed over; :func:`select_rollback` also judges "healthy"
@@ -188,6 +188,7 @@ def verify_sharded(info: CheckpointInfo, *, storage: Storage | None = None) -> C
     """Check a sharded checkpoint: its marker, every file it lists, and DCP's ``.metadata``.
 
     The marker is read again and must still have ``info.sha256`` (what a resume plan carries);
+    the directory must hold nothing the marker does not list (:func:`.commit.refuse_unlisted`);
     each file it lists must have its recorded size and sha256 (streamed); ``.metadata`` must
     pass :func:`.pickle_scan.scan_dcp_metadata`. Returns the marker as read now. Raises
     :class:`CorruptCheckpointError`, :class:`UnsafeCheckpointError` or :class:`CheckpointError`
@@ -200,6 +201,7 @@ def verify_sharded(info: CheckpointInfo, *, storage: Storage | None = None) -> C
             f"commit marker {marker.meta_path}: sha256 {marker.sha256}, expected {info.sha256} "
             "(rewritten since it was listed?)"
         )
+    commit.refuse_unlisted(marker, storage=storage)
     for name, sha256, size in marker.files:
         path = os.path.join(info.path, name)
         try:

@@ -19,6 +19,16 @@ directory's name), ``step``, ``generation``, ``world_size``, ``created``, ``file
 directory is fsynced: a checkpoint exists once its marker does, and a directory without one is an
 interrupted (or still running) save that is never selected.
 
+A committed directory holds what its marker lists and nothing else
+(:func:`refuse_unlisted`, part of every verification): an added file, symlink or subdirectory
+would be read by the framework without ever being checked (a Trainer loads a
+``pytorch_model_fsdp_0/`` it finds, follows a symlink out of the directory), so its checkpoint is
+refused, naming what it holds. The only entries allowed beside the listed files are the ones
+spikeguard itself puts there (:func:`expected_unlisted`): the marker, and the temp file the
+marker is published through. Nothing else writes into a committed directory: DCP and the
+Trainer have finished their save before the commit, a Trainer directory saved again is retracted
+(its marker removed) first, and a removal takes the marker first, then the whole directory.
+
 The checkpoint's checksum (:attr:`~.format.CheckpointInfo.sha256`, what a resume plan carries)
 is the sha256 of the marker's bytes: the marker pins every other file.
 
@@ -44,12 +54,13 @@ from typing import Any
 
 from .format import (
     MAX_FIELD_INT,
+    CheckpointError,
     CheckpointInfo,
     CorruptCheckpointError,
     decode_json,
     header_problem,
 )
-from .storage import Storage, storage_for
+from .storage import TMP_PREFIX, Entry, Kind, Storage, storage_for
 
 SHARDED_FORMAT = "spikeguard-sharded-checkpoint"
 SHARDED_FORMAT_VERSION = 1
@@ -74,6 +85,10 @@ _DIR_NAME_RE = re.compile(r"^ckpt-step(\d+)-gen(\d+)\.dcp$")
 _FILE_NAME_RE = re.compile(r"^(\.metadata|[A-Za-z0-9_][A-Za-z0-9_.-]{0,250})$")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _INT_FIELDS = ("step", "generation", "world_size")
+_MARKER_TEMP_RE = re.compile(re.escape(f"{TMP_PREFIX}{COMMIT_NAME}-") + r"\d{1,10}")
+"""The marker's temp name, :func:`~.storage.temp_name` of it (``-<pid>``)."""
+MAX_NAMED_UNLISTED = 5
+"""How many unlisted entries a refusal names (then how many more there are)."""
 
 
 def sharded_name(step: int, generation: int) -> str:
@@ -109,6 +124,59 @@ def valid_file_name(name: str) -> bool:
     """Whether a marker may list ``name``: a plain name in the directory (no path, not the
     marker itself)."""
     return _FILE_NAME_RE.match(name) is not None and name != COMMIT_NAME
+
+
+def expected_unlisted(name: str, kind: Kind) -> bool:
+    """Whether a committed directory may hold the entry ``name`` (of kind ``kind``) although
+    its marker does not list it: the marker itself, or the regular file it is published
+    through (``.tmp-spikeguard-commit.json-<pid>``: there for a moment during the publication,
+    and left behind for good when the publisher died between the link and the unlink). The
+    whole list: nothing else is written into a committed directory (see the module
+    docstring)."""
+    if name == COMMIT_NAME:
+        return True
+    return kind == "file" and _MARKER_TEMP_RE.fullmatch(name) is not None
+
+
+def _entry_words(entry: Entry) -> str:
+    """An entry as a refusal names it: ``name/`` for a directory, the kind for a non-file."""
+    if entry.kind == "dir":
+        return f"{entry.name}/"
+    if entry.kind == "file":
+        return entry.name
+    return f"{entry.name} ({entry.what})"
+
+
+def refuse_unlisted(info: CheckpointInfo, *, storage: Storage | None = None) -> None:
+    """Refuse the committed directory ``info.path`` if it holds an entry its marker does not
+    list (a file, a symlink, a subdirectory, anything) other than :func:`expected_unlisted`.
+
+    Raises :class:`CorruptCheckpointError` naming the entries (``checkpoint-200 holds
+    pytorch_model_fsdp_0/ which its commit marker does not list``), or
+    :class:`CheckpointError` when the directory cannot be listed. ``storage``: where it is
+    (default: :func:`~.storage.storage_for` it). A listed name that is not a regular file is
+    left to the file checks, which refuse it.
+    """
+    storage = storage or storage_for(info.path)
+    listed = {name for name, _, _ in info.files}
+    try:
+        entries = storage.listdir(info.path)
+    except OSError as e:
+        raise CheckpointError(f"{info.path}: cannot list the directory: {e}") from e
+    extra = sorted(
+        (e for e in entries if e.name not in listed and not expected_unlisted(e.name, e.kind)),
+        key=lambda e: e.name,
+    )
+    if not extra:
+        return
+    words = [_entry_words(e) for e in extra[:MAX_NAMED_UNLISTED]]
+    if len(extra) > MAX_NAMED_UNLISTED:
+        words.append(f"{len(extra) - MAX_NAMED_UNLISTED} more")
+    named = words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
+    raise CorruptCheckpointError(
+        f"{info.path} holds {named} which its commit marker does not list (added after the "
+        "commit: never verified, so the checkpoint is refused)"
+    )
 
 
 def marker_text(

@@ -6,7 +6,9 @@ only what was verified, with nothing that runs code. Needs torch.
 step) with ``torch.load(weights_only=False)``. :func:`load_sharded` therefore, before
 ``dcp.load`` touches the directory:
 
-1. reads the commit marker and checks its sha256 against the one the supervisor's plan carries;
+1. reads the commit marker and checks its sha256 against the one the supervisor's plan carries,
+   and that the directory holds nothing the marker does not list
+   (:func:`.commit.refuse_unlisted`);
 2. on every rank, reads ``.metadata`` once, checks its size and sha256 against the marker, scans
    it statically (:func:`.pickle_scan.scan_dcp_metadata`) and unpickles those same bytes with an
    unpickler that resolves only :data:`~.pickle_scan.DCP_METADATA_GLOBALS`; every file that
@@ -159,6 +161,7 @@ def verify_for_load(
                 f"commit marker {info.meta_path}: sha256 {info.sha256}, the plan expects "
                 f"{expected_sha256}"
             )
+        commit.refuse_unlisted(info)
         metadata = _read_metadata(info)
         _verify_share(info, writer.rank, writer.world_size)
     except CheckpointError as e:

@@ -12,10 +12,12 @@ each one collective, so every rank gets the same outcome:
    same name is never overwritten.
 2. **Write**: ``dcp.save`` (or ``dcp.async_save``) into ``ckpt-step…-gen….dcp/`` with
    ``sync_files=True``: each rank writes and fsyncs its shard, rank 0 the ``.metadata``.
-3. **Hash and gather**: each rank hashes the files it wrote itself (``__{rank}_*.distcp``; rank
-   0 also ``.metadata``), usually from the page cache, and the hashes, the rank's grade and loss
-   are gathered on rank 0. The cost: one extra read of each rank's own shard, all ranks in
-   parallel, and one small gather; nothing is read over the network by rank 0.
+3. **Hash and gather**: each rank removes the data files DCP opened for it but left empty and
+   unreferenced (a rank with nothing to write), then hashes the files it wrote itself
+   (``__{rank}_*.distcp``; rank 0 also ``.metadata``), usually from the page cache, and the
+   hashes, the rank's grade and loss are gathered on rank 0. The cost: one extra read of each
+   rank's own shard, all ranks in parallel, and one small gather; nothing is read over the
+   network by rank 0.
 4. **Commit** (rank 0): every file DCP's metadata refers to must have been hashed; the fence is
    checked once more (a replaced generation never commits); the commit marker (:mod:`.commit`)
    is written to a temp file, fsynced, renamed and the directory fsynced. Its text is broadcast,
@@ -45,6 +47,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -53,6 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from torch.distributed.tensor import DTensor
 
 from . import commit
@@ -340,11 +344,36 @@ class ShardedWriter:
                 mine.append(name)
         return mine
 
+    def _drop_empty_buckets(self, path: str, referenced: set[str]) -> None:
+        """Remove this rank's data files that DCP created empty and no metadata refers to.
+
+        ``FileSystemWriter`` opens one file per thread bucket whether or not anything goes in
+        it, so a rank with nothing to write (its replicated tensors deduplicated onto another
+        rank) leaves an empty ``__{rank}_0.distcp``. A commit marker cannot list an empty file
+        (verification refuses one) and a committed directory may hold nothing unlisted
+        (:func:`.commit.refuse_unlisted`): the file goes, before the gather, by its own writer,
+        so the directory holds exactly what the marker lists."""
+        storage = storage_for(path)
+        mine = re.compile(rf"__{self.rank}_\d+{re.escape(dcp_filesystem.DEFAULT_SUFFIX)}")
+        removed = False
+        for entry in storage.listdir(path):
+            if (
+                entry.kind == "file"
+                and entry.size == 0
+                and entry.name not in referenced
+                and mine.fullmatch(entry.name)
+            ):
+                removed = storage.remove_file(os.path.join(path, entry.name)) or removed
+        if removed:
+            storage.sync(path)
+
     def _hash_own(self, path: str, metadata: Any) -> tuple[dict[str, tuple[str, int]], str | None]:
-        """Stage 3: {name: (sha256, size)} of this rank's files, or the reason it failed."""
+        """Stage 3: {name: (sha256, size)} of this rank's files, or the reason it failed (its
+        empty, unreferenced ones removed first: :meth:`_drop_empty_buckets`)."""
         try:
             referenced = {info.relative_path for info in metadata.storage_data.values()}
             referenced.add(commit.DCP_METADATA_NAME)
+            self._drop_empty_buckets(path, referenced)
             hashes = {}
             for name in self._own_files(referenced):
                 if not commit.valid_file_name(name):

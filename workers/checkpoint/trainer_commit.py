@@ -12,7 +12,8 @@ resume plan's checksum before the framework loads it (:func:`verify_for_resume`)
 Only a flat directory is committed (what the Trainer writes for a single-device or DDP model):
 a subdirectory (FSDP's or DeepSpeed's sharded states), a symlink or any other non-regular entry
 refuses the commit with :class:`~.format.CheckpointError`, so that no marker ever covers less
-than the directory holds.
+than the directory holds; and one added after the commit refuses the checkpoint at verification
+(:func:`~.commit.refuse_unlisted`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from . import commit
 from .choose import verify_sharded
 from .dcp_write import _marker_meta, _publish_marker
 from .format import CheckpointError, CheckpointInfo
-from .storage import TMP_PREFIX, Storage, storage_for
+from .storage import Storage, storage_for
 
 
 def retract(directory: str) -> bool:
@@ -40,12 +41,14 @@ def retract(directory: str) -> bool:
 
 
 def _hash_files(directory: str, storage: Storage) -> dict[str, tuple[str, int]]:
-    """{name: (sha256, size)} of every file in ``directory`` but the marker and temp files."""
+    """{name: (sha256, size)} of every file in ``directory`` but the marker and its temp files
+    (:func:`~.commit.expected_unlisted`: exactly what verification lets a committed directory
+    hold unlisted, so that what is committed verifies)."""
     files: dict[str, tuple[str, int]] = {}
     for entry in sorted(storage.listdir(directory), key=lambda e: e.name):
         name = entry.name
         path = os.path.join(directory, name)
-        if name == commit.COMMIT_NAME or name.startswith(TMP_PREFIX):
+        if commit.expected_unlisted(name, entry.kind):
             continue
         if entry.kind != "file":
             what = "a subdirectory" if entry.kind == "dir" else "not a regular file"
@@ -107,8 +110,9 @@ def commit_trainer_dir(
 
 def verify_for_resume(directory: str, expected_sha256: str | None) -> CheckpointInfo:
     """Check a Trainer checkpoint before the framework loads it: its marker must have the plan's
-    checksum and every file it lists its recorded size and sha256. Returns the marker; raises
-    :class:`~.format.CheckpointError` (corrupt, altered, incomplete)."""
+    checksum, the directory must hold nothing the marker does not list (the Trainer would load
+    it unchecked) and every file it lists its recorded size and sha256. Returns the marker;
+    raises :class:`~.format.CheckpointError` (corrupt, altered, incomplete, added to)."""
     marker = commit.read_marker(directory)
     if marker.kind != commit.TRAINER_LAYOUT:
         raise CheckpointError(f"{directory} is not a Trainer checkpoint")
