@@ -126,7 +126,7 @@ def _guard(fn: Any) -> Any:
         try:
             return fn(args)
         except BrokenPipeError:
-            return ExitCode.OK
+            raise  # the CLI's entry ends a closed pipe once, for every command (exit 141)
         except Exception as e:
             print(
                 f"spikeguard policy: internal error ({type(e).__name__}: {e}); please report it",

@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,7 @@ def _status(args: argparse.Namespace) -> int:
         print(f"spikeguard: no run in {args.run_dir} (no journal.jsonl)", file=sys.stderr)
         return ExitCode.BAD_INPUT
     if args.watch is None:
-        status = _run_status(run)
+        status = _run_status(run, say=_journal_problems("status", run))
         print(json.dumps(status) if args.json else _status_text(status))
         return ExitCode.OK
     if args.watch <= 0:
@@ -72,9 +72,10 @@ def _status(args: argparse.Namespace) -> int:
     import time
 
     clear = sys.stdout.isatty() and not args.json
+    said: set[str] = set()  # each odd line said once, not at every redraw
     try:
         while True:
-            status = _run_status(run)
+            status = _run_status(run, say=_journal_problems("status", run, said))
             text = json.dumps(status) if args.json else _status_text(status)
             print(("\033[H\033[2J" if clear else "") + text, flush=True)
             if status.get("finished"):
@@ -86,28 +87,75 @@ def _status(args: argparse.Namespace) -> int:
         return ExitCode.OK
 
 
-def _run_status(run: Path) -> dict[str, Any]:
+def _run_status(run: Path, say: Callable[[list[str]], None] | None = None) -> dict[str, Any]:
     """The run as the journal says (true also when its supervisor is dead); the ranks and the
-    throughput as the live supervisor last wrote them in ``status.json``."""
-    from .journal import read_events, redact_fields
+    throughput as the live supervisor last wrote them in ``status.json``. ``say``: told what
+    is wrong with which journal line (also a line that cannot be replayed)."""
+    from .journal import read_journal, redact_fields
     from .observe.status import finished, journal_view
     from .redaction import held_secrets
 
-    events = read_events(run)
-    status = journal_view(events)
-    status["finished"] = finished(events)
-    live: dict[str, Any] = {}
+    read = read_journal(run)
+    status = journal_view(read.events, read.lines)
+    problems = [str(p) for p in read.problems]
+    if status.get("replay_problem"):
+        problems.append(f"{status['replay_problem']}: the state shown is the one before it")
+    if say is not None and problems:
+        say(problems)
+    status["finished"] = finished(read.events)
+    live: Any = {}
     try:
         live = json.loads((run / "status.json").read_text())
     except (OSError, ValueError):
         pass
+    if not isinstance(live, dict):
+        live = {}
+    kinds: dict[str, type | tuple[type, ...]] = {"ranks": dict, "throughput": dict}
+    kinds.update(dropped=dict, updated=(int, float))
     for key in ("ranks", "throughput", "dropped", "rank_dropped", "updated"):
-        if key in live:
+        if key in live and isinstance(live[key], kinds.get(key, object)):
             status[key] = live[key]
     return dict(redact_fields(status, held_secrets(os.environ)))  # an older journal may hold one
 
 
+def _journal_problems(
+    command: str, run: Path, said: set[str] | None = None
+) -> Callable[[list[str]], None]:
+    """Says on stderr what is wrong with which line of ``run``'s journal (each once, with
+    ``said``)."""
+    from .journal import JOURNAL_NAME
+
+    def say(problems: list[str]) -> None:
+        for problem in problems:
+            if said is not None:
+                if problem in said:
+                    continue
+                said.add(problem)
+            print(f"spikeguard {command}: {run / JOURNAL_NAME} {problem}", file=sys.stderr)
+
+    return say
+
+
 def _status_text(status: dict[str, Any]) -> str:
+    """:func:`_render_status`; when what ``status.json`` added cannot be shown (it is input too:
+    a hand edit, another version's), the status without it, said on stderr; never a traceback."""
+    try:
+        return _render_status(status)
+    except Exception as e:  # the journal's part alone is what the run is; show that
+        live = [k for k in ("ranks", "throughput", "dropped") if k in status]
+        print(
+            f"spikeguard status: status.json's {', '.join(live) or 'fields'} cannot be shown "
+            f"({type(e).__name__}: {e}); shown without them",
+            file=sys.stderr,
+        )
+    bare = {k: v for k, v in status.items() if k not in ("ranks", "throughput", "dropped")}
+    try:
+        return _render_status(bare)
+    except Exception:
+        return " ".join(f"{k}={bare.get(k)!r}" for k in ("phase", "generation", "lr_scale"))
+
+
+def _render_status(status: dict[str, Any]) -> str:
     from .sinks.console import render_status
 
     last = status["last_event"]
@@ -138,7 +186,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _events(args: argparse.Namespace) -> int:
-    from .journal import read_events, redact_fields
+    from .journal import read_journal, redact_fields
     from .observe.describe import describe
     from .redaction import held_secrets
 
@@ -155,7 +203,9 @@ def _events(args: argparse.Namespace) -> int:
         print(f"spikeguard: no journal in {args.run_dir}", file=sys.stderr)
         return ExitCode.BAD_INPUT
     held = held_secrets(os.environ)
-    for raw in read_events(args.run_dir):
+    read = read_journal(args.run_dir)
+    _journal_problems("events", Path(args.run_dir))([str(p) for p in read.problems])
+    for raw in read.events:
         if args.kind and raw["kind"] not in args.kind:
             continue
         ev = redact_fields(raw, held)  # a journal written before redaction may hold a secret
@@ -184,7 +234,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
     """Every checkpoint of a run: on disk (verified unless --no-verify) and deleted (journal)."""
     from spikeguard.workers.checkpoint import choose
 
-    from .journal import read_events
+    from .journal import read_journal
     from .observe.checkpoint_table import render, rows
 
     run = Path(args.run_dir)
@@ -205,7 +255,11 @@ def _checkpoints(args: argparse.Namespace) -> int:
                 verified[info.path] = None
             except choose.CheckpointError as e:
                 verified[info.path] = str(e)
-    events = read_events(run) if (run / "journal.jsonl").exists() else []
+    events: list[dict[str, Any]] = []
+    if (run / "journal.jsonl").exists():
+        read = read_journal(run)
+        _journal_problems("checkpoints", run)([str(p) for p in read.problems])
+        events = read.events
     table = rows(listed, listed.problems, listed.incomplete, verified, events)
     if args.json:
         for row in table:
@@ -217,14 +271,16 @@ def _checkpoints(args: argparse.Namespace) -> int:
 
 def _stop(args: argparse.Namespace) -> int:
     """Write STOP only for a live supervisor; a finished run or a dead supervisor is said so."""
-    from .journal import read_events
+    from .journal import read_journal
     from .observe.status import finished
 
     run = Path(args.run_dir)
     if not (run / "journal.jsonl").exists():
         print(f"spikeguard: no run in {args.run_dir}", file=sys.stderr)
         return ExitCode.BAD_INPUT
-    ended = finished(read_events(run))
+    read = read_journal(run)
+    _journal_problems("stop", run)([str(p) for p in read.problems])
+    ended = finished(read.events)
     if ended is not None:
         print(f"spikeguard: the run in {run} already finished: {ended}. There is nothing to stop.")
         return ExitCode.OK
@@ -356,9 +412,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+PIPE_CLOSED = 141
+"""The exit code when the reader of stdout went away (``spikeguard events RUN | head``): 128 +
+SIGPIPE, what a shell reports for any command cut short that way."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    """Run a ``spikeguard`` command; its exit code. Output to a pipe whose reader has gone
+    (``| head``) ends the command quietly, exit :data:`PIPE_CLOSED`, never a traceback: stdout
+    is pointed at ``/dev/null`` so that nothing written later (the interpreter's last flush)
+    fails again."""
+    try:
+        args = build_parser().parse_args(argv)  # --help, --version print too
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # inside: a closed pipe shows here, not at the interpreter's exit
+    except BrokenPipeError:
+        from .sinks.console import silence
+
+        silence(sys.stdout)
+        return PIPE_CLOSED
+    return code
 
 
 if __name__ == "__main__":

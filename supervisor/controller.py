@@ -14,14 +14,16 @@ Timeouts use monotonic clocks only (the journal's ``mono``); a wall-clock jump c
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from spikeguard.workers.contract.exitcodes import ExitCode
 from spikeguard.workers.contract.logs import logger
 
 from . import rundir
@@ -55,6 +57,18 @@ FULL_GC_EVERY_S = 60.0
 ticks. Left to the interpreter, a full collection comes every few seconds at a thousand ranks
 and stops the loop for as long as it scans every live object (100-200 ms on a 2-core machine):
 in the middle of a tick, that is a decision's latency."""
+
+
+@contextlib.contextmanager
+def _writing(what: str) -> Iterator[None]:
+    """An ``OSError`` inside (a write to the run directory that failed: a full disk) becomes
+    :class:`~.rundir.Unwritable`, saying ``what`` was being done; one already is passes."""
+    try:
+        yield
+    except rundir.Unwritable:
+        raise
+    except OSError as e:
+        raise rundir.Unwritable(f"{what}: {e}") from e
 
 
 class Controller:
@@ -96,11 +110,16 @@ class Controller:
         self._standby_checked = float("-inf")
         self._status_key: tuple[Any, ...] | None = None
         self._status_at = float("-inf")
+        self._status_failing: OSError | None = None
+        self.stopped_because: str | None = None
+        """Why the supervisor stopped without the run ending (its run directory could not be
+        written), once it did."""
         self.reader = TickReader(
             collector=self.collector,
             screen=engine,
             reports=ReportLog(self.paths.reports),
             evaluate=self._evaluate,
+            note=self._event,
         )
         self.effects = Effects(
             paths=self.paths,
@@ -135,10 +154,45 @@ class Controller:
                     gc.collect()  # between ticks (FULL_GC_EVERY_S)
                     last_full = time.monotonic()
                 time.sleep(self.settings.poll_interval_s)
+        except rundir.Unwritable as e:
+            return self._stop_unwritable(e)
         finally:
             gc.set_threshold(*thresholds)
         self._write_status()
         return self.state.exit_code or 0
+
+    def _stop_unwritable(self, error: rundir.Unwritable) -> int:
+        """Stop cleanly when the journal or ``FENCE`` cannot be written (a full disk): without
+        them no decision can be recorded nor a generation fenced, so the ranks are killed and
+        the supervisor goes away, its reason journaled if the journal can still take it, else
+        only printed. The run is not finished: its journal ends where the last append that
+        succeeded left it, so ``spikeguard submit`` of the same job resumes it once the disk has
+        room, like after a dead supervisor. Exit code 143 (like a preemption: gone, resumable)."""
+        self.stopped_because = reason = (
+            f"the supervisor stops: {error}. The ranks are killed; the run is not finished: "
+            "once the run directory can be written again, `spikeguard submit` of the same job "
+            "resumes it"
+        )
+        log.error("%s", reason)
+        self.collector.fence()  # what the ranks still send is no longer evaluated
+        try:
+            self.group.kill(self.settings.kill_grace_s)
+        except Exception as e:  # the ranks go with the supervisor's Ray anyway
+            log.warning("killing the ranks failed: %s", e)
+        try:
+            self._event(
+                {
+                    "kind": events.Kind.ALERT.value,
+                    "incident": self.state.incident.id if self.state.incident else None,
+                    "reason": reason,
+                    "severity": "page",
+                    "error": str(error),
+                }
+            )
+        except rundir.Unwritable as e:
+            log.error("the reason could not be journaled either: %s", e)
+        self._write_status()
+        return ExitCode.PREEMPTED
 
     def restart(self, events_: list[dict[str, Any]]) -> None:
         """Take over from a dead supervisor: state from the journal, fence, reap survivors, go
@@ -156,7 +210,8 @@ class Controller:
         )
         on_disk = rundir.highest_generation(self.run_dir)
         nxt = max(rc.next_generation(st), on_disk + 1)
-        self.effects.write_fence(nxt)  # before anything else: survivors may no longer publish
+        with _writing(f"writing {self.paths.fence_file}"):
+            self.effects.write_fence(nxt)  # before anything else: survivors may not publish
         self.effects.reap(nxt, "ranks left by the previous supervisor")
         s = self.settings
         self._apply(rc.Restarted(s.default_settings, on_disk, s.launch_retries))
@@ -175,6 +230,9 @@ class Controller:
             self._apply(rc.Preempt(self._preempt_reason))
         if self.state.phase in (*rc.ACTIVE, rc.Phase.PREEMPTING):
             self._read(now)
+        if self.state.phase is rc.Phase.PREEMPTING and self.collector.all_finished():
+            # finished instead of saving (their last step was behind them): completed wins
+            self._apply(rc.Finished(self.collector.final_loss()))
         awaited = self.effects.awaited
         if awaited is not None and time.monotonic() >= awaited[1]:
             self.effects.awaited = None
@@ -247,7 +305,8 @@ class Controller:
             for ev in t.events:
                 self._event(ev)
             for eff in t.effects:
-                outcome = self.effects.carry_out(eff)
+                with _writing(f"carrying out {type(eff).__name__}"):
+                    outcome = self.effects.carry_out(eff)
                 if outcome is not None:
                     queue.append(outcome)
 
@@ -268,7 +327,16 @@ class Controller:
         if every_s and key == self._status_key and now - self._status_at < every_s:
             return
         self._status_key, self._status_at = key, now
-        rundir.write_status(self.run_dir, live_status(self.state, self.collector))
+        try:  # best effort: status.json is a view, the journal is the record
+            rundir.write_status(self.run_dir, live_status(self.state, self.collector))
+        except OSError as e:
+            if self._status_failing is None:
+                log.warning(f"cannot write {self.run_dir / 'status.json'} ({e}); the run goes on")
+            self._status_failing = e
+            return
+        if self._status_failing is not None:
+            self._status_failing = None
+            log.info(f"{self.run_dir / 'status.json'} is written again")
 
     def close(self) -> None:
         self.reader.reports.close()

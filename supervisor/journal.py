@@ -1,10 +1,16 @@
 """The journal: an append-only, fsynced event log in the run directory.
 
 It is the single source for ``spikeguard status``/``events``, for Slack and
-for a restarted supervisor. One JSON object a line; each append is flushed
-and fsynced before ``append`` returns, so an event that was acted upon is on
-disk. A torn last line (the supervisor died mid-write) is ignored on read. The file is private
-(0600) and never opened through a symlink (:func:`.rundir.open_append`).
+for a restarted supervisor. One JSON object a line; each append is one unbuffered write,
+fsynced before ``append`` returns, so an event that was acted upon is on disk. An append that
+fails (a full disk) raises :class:`~.rundir.Unwritable` and leaves nothing of its event in the
+file, nor takes its ``seq``: no fragment reaches the disk later (:class:`.rundir.LineFile`). A
+torn last line (the supervisor died mid-write) is ignored on read and ended before the next
+append. The file is private (0600) and never opened through a symlink.
+
+Readers (:func:`read_journal`) take what a line holds as input: one that is not an event, or an
+event whose common fields are odd (:func:`check_event`), is named with its line number, never a
+``KeyError`` or a ``TypeError`` inside the reader.
 
 Every event has ``seq``, ``kind`` (:class:`~.events.Kind`), ``time`` (ISO-8601 UTC), ``mono``
 (seconds on the supervisor's monotonic clock since it started), ``run``, ``incident`` (or null)
@@ -23,6 +29,7 @@ A rank's log tail or an error text that quotes the Slack token or the webhook UR
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -32,11 +39,14 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from spikeguard.workers.contract.logs import logger
 from spikeguard.workers.contract.secret_scan import redact
 
 from . import rundir
 from .decide.events import Kind
 from .redaction import held_secrets
+
+log = logger(__name__)
 
 JOURNAL_NAME = "journal.jsonl"
 VERBATIM = frozenset({"kind", "obs", "state_digest"})
@@ -64,15 +74,14 @@ class Journal:
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         rundir.private_dir(self.path.parent)
-        self._f = rundir.open_append(self.path)  # 0600, never through a symlink (UnsafePath)
-        existing = read_events(self.path)
-        self._seq = existing[-1]["seq"] if existing else 0
-        self._mono_base = existing[-1].get("mono", 0.0) if existing else 0.0
-        if self._f.tell() > 0:
-            with open(self.path, "rb") as r:
-                r.seek(-1, os.SEEK_END)
-                if r.read(1) != b"\n":  # end a torn line so the next event starts clean
-                    self._f.write(b"\n")
+        # 0600, never through a symlink (UnsafePath), unbuffered: a failed append leaves nothing
+        self._f = rundir.LineFile(self.path)
+        read = read_journal(self.path)
+        for problem in read.problems:
+            log.warning(f"{self.path} {problem}")
+        self._seq = max((e["seq"] for e in read.events if _is_int(e.get("seq"))), default=0)
+        monos = [e["mono"] for e in read.events if _is_number(e.get("mono"))]
+        self._mono_base = float(monos[-1]) if monos else 0.0
 
     def mono(self) -> float:
         """Seconds since this journal was first opened (continues across supervisor restarts)."""
@@ -85,9 +94,8 @@ class Journal:
         except ValueError:
             raise ValueError(f"unknown journal kind {kind!r}") from None
         with self._lock:
-            self._seq += 1
             ev = {
-                "seq": self._seq,
+                "seq": self._seq + 1,
                 "kind": kind,
                 "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
                 "mono": round(self.mono(), 3),
@@ -97,9 +105,13 @@ class Journal:
             }
             ev.update(fields)
             ev = {k: v if k in VERBATIM else self._redact(v) for k, v in ev.items()}
-            self._f.write((json.dumps(ev, default=str) + "\n").encode())
-            self._f.flush()
-            os.fsync(self._f.fileno())
+            line = (json.dumps(ev, default=str) + "\n").encode()
+            try:  # one unbuffered write, fsynced; on failure truncated away (rundir.LineFile)
+                self._f.append(line, fsync=True)
+            except OSError as e:
+                why = e.strerror or str(e)
+                raise rundir.Unwritable(f"cannot append to {self.path} ({why})") from e
+            self._seq += 1  # a failed append takes no number: the next event has it
             return ev
 
     def _redact(self, value: Any) -> Any:
@@ -128,21 +140,117 @@ def redact_fields(value: Any, secrets: Iterable[str] = ()) -> Any:
     return value
 
 
-def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+@dataclasses.dataclass(frozen=True)
+class LineProblem:
+    """What is wrong with one line of a journal (:func:`read_journal`)."""
+
+    line: int
+    """1-based."""
+    problem: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.problem}"
+
+
+@dataclasses.dataclass(frozen=True)
+class JournalRead:
+    """A journal as read: its events, the line each came from, what is odd about which line."""
+
+    events: list[dict[str, Any]]
+    lines: list[int]
+    """The 1-based line number of each of ``events``."""
+    problems: list[LineProblem]
+
+    def line_of(self, index: int) -> int:
+        """The line number of ``events[index]``."""
+        return self.lines[index]
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_event(ev: dict[str, Any]) -> list[str]:
+    """What is odd about the fields every event has (``seq``, ``kind``, ``time``, ``mono``,
+    ``obs``) in ``ev``; an empty list when nothing is. Readers still get such an event (``events``
+    prints it as it is); each says what it found, so a hand-edited or foreign journal is never a
+    ``KeyError`` or ``TypeError`` deep inside one of them."""
+    out = []
+    kind = ev.get("kind")
+    if not isinstance(kind, str):
+        out.append(f"kind is {kind!r}, not a string")
+    elif kind not in _KINDS:
+        out.append(f"unknown kind {kind!r}")
+    if "seq" not in ev:
+        out.append("no seq")
+    elif not _is_int(ev["seq"]):
+        out.append(f"seq is {ev['seq']!r}, not an integer")
+    if "time" in ev and not isinstance(ev["time"], str):
+        out.append(f"time is {ev['time']!r}, not a string")
+    if "mono" in ev and not _is_number(ev["mono"]):
+        out.append(f"mono is {ev['mono']!r}, not a number")
+    if "obs" in ev and not isinstance(ev["obs"], list):
+        out.append(f"obs is {type(ev['obs']).__name__}, not a list")
+    return out
+
+
+_KINDS = frozenset(k.value for k in Kind)
+
+
+def read_journal(path: str | os.PathLike[str]) -> JournalRead:
+    """Read ``path`` (a journal, or the run directory holding one): every line that is a JSON
+    object with a ``kind`` is an event; what is wrong with any line is a :class:`LineProblem`
+    (a line that is not an event is skipped; a torn last line - the supervisor died mid-write -
+    is ignored, and said so). Never raises on what the file holds."""
     p = Path(path)
     if p.is_dir():
         p = p / JOURNAL_NAME
+    events: list[dict[str, Any]] = []
+    lines: list[int] = []
+    problems: list[LineProblem] = []
     if not p.exists():
-        return
+        return JournalRead(events, lines, problems)
     with open(p, "rb") as f:
-        for line in f:
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue  # a torn last line from a crash mid-append
-            if isinstance(ev, dict) and "kind" in ev:
-                yield ev
+        data = f.read()
+    raw_lines = data.split(b"\n")
+    torn = raw_lines[-1] != b""  # the file does not end with a newline
+    if not torn:
+        raw_lines.pop()
+    for n, raw in enumerate(raw_lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            ev = json.loads(raw)
+        except ValueError:
+            last = n == len(raw_lines)
+            what = "cut short (a write that did not finish): ignored" if last and torn else None
+            problems.append(LineProblem(n, what or "not JSON: skipped"))
+            continue
+        if not isinstance(ev, dict):
+            problems.append(LineProblem(n, f"a JSON {type(ev).__name__}, not an event: skipped"))
+            continue
+        if "kind" not in ev:
+            problems.append(LineProblem(n, "no kind: not an event, skipped"))
+            continue
+        problems.extend(LineProblem(n, what) for what in check_event(ev))
+        events.append(ev)
+        lines.append(n)
+    return JournalRead(events, lines, problems)
+
+
+def iter_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """The events of :func:`read_events`, one at a time."""
+    yield from read_events(path)
 
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    return list(iter_events(path))
+    """The events of the journal at ``path`` (:func:`read_journal`); what is wrong with which
+    line is logged (a warning each), for the readers that show none of it themselves."""
+    read = read_journal(path)
+    for problem in read.problems:
+        log.warning(f"{path} (journal) {problem}")
+    return read.events

@@ -82,13 +82,14 @@ def test_the_lock_creates_a_private_run_directory_and_lock_file(tmp_path):
         lock.close()
 
 
-def test_an_existing_run_directory_is_made_private(tmp_path):
+def test_an_existing_run_directory_keeps_its_mode_and_its_files_are_made_private(tmp_path):
     run = tmp_path / "run"
     run.mkdir(mode=0o755)
     (run / "journal.jsonl").write_text("")
     os.chmod(run / "journal.jsonl", 0o644)
     rundir.prepare(run)
-    assert mode(run) == 0o700 and mode(run / "journal.jsonl") == 0o600
+    # the directory was the user's (only what spikeguard creates is changed), the files are ours
+    assert mode(run) == 0o755 and mode(run / "journal.jsonl") == 0o600
     assert mode(run / "reports.jsonl") == 0o600
     assert mode(run / "plans") == 0o700 and mode(run / "logs") == 0o700
 
@@ -126,7 +127,11 @@ def test_a_rank_log_is_created_private_and_a_planted_link_is_replaced(tmp_path, 
     plant(log, elsewhere)
     rundir.private_log(log)
     assert elsewhere.read_text() == "precious"
-    assert not log.is_symlink() and mode(log) == 0o600 and mode(log.parent) == 0o700
+    assert not log.is_symlink() and mode(log) == 0o600
+    assert mode(log.parent) == 0o755  # made by the test, not by spikeguard: left as it was
+    created = tmp_path / "run2" / "logs" / "gen001-rank0.log"
+    rundir.private_log(created)
+    assert mode(created) == 0o600 and mode(created.parent) == 0o700
     with open(log, "ab") as f:  # what the agent does: append keeps the mode
         f.write(b"hello\n")
     rundir.private_log(log)  # a second launch of the same path keeps what is there

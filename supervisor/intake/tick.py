@@ -5,7 +5,8 @@ controller's ``evaluate`` callback, in the order that decides soonest (:meth:`Ti
 Which ranks may decide is the policy engine's to say (``Engine.pending_ranks``,
 ``Engine.quiet``): the reader only orders. When a decision fences the generation, the effect
 that kills it calls :meth:`TickReader.record_rest`: what the tick brought and was not evaluated
-yet is recorded, never evaluated.
+yet is recorded, never evaluated. Ranks whose layer names passed the collector's cap are
+journaled once each, through ``note`` (one ``alert`` a tick that found any).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any, Protocol
 
 from spikeguard.workers.contract.logs import logger
 
+from .. import rundir
+from ..decide import events
 from ..launch.interface import RankPoll
 from .collector import Accepted, Collector
 
@@ -36,7 +39,7 @@ class ReportLog:
     """``RUN_DIR/reports.jsonl``: every accepted message, in the order it was evaluated."""
 
     def __init__(self, path: Path) -> None:
-        self._file = open(path, "ab")
+        self._file = rundir.RecordLog(path)  # no symlink, torn line ended, best effort
 
     def write(self, msg: dict[str, Any]) -> None:
         """Append ``msg`` (flushed once a tick, and before a kill waits)."""
@@ -62,10 +65,14 @@ class TickReader:
         screen: Screen,
         reports: ReportLog,
         evaluate: Callable[[dict[str, Any]], None],
+        note: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.collector, self.screen, self.reports = collector, screen, reports
         self.evaluate = evaluate
         """Evaluate one accepted message (already recorded)."""
+        self.note = note
+        """Journal an event of the intake's own (the controller's ``_event``); None: logged
+        only."""
         self._polls: collections.deque[tuple[RankPoll, float]] = collections.deque()
         """The current tick's polls (with the time they came) not validated yet."""
         self._read: collections.deque[tuple[RankPoll, list[Accepted], float]] = collections.deque()
@@ -114,6 +121,19 @@ class TickReader:
         self._read.extend(quiet)
         while self._read:
             self.feed(self.collector.accept_poll(*self._read.popleft()))
+        self.note_capped()
+
+    def note_capped(self) -> None:
+        """Journal (once a rank) the ranks whose layer names passed the collector's cap since
+        the last call: at the end of a tick's reading, never from inside an effect (a kill's
+        :meth:`record_rest` leaves them to the next tick)."""
+        capped = self.collector.take_capped()
+        if not capped:
+            return
+        ev = events.layers_capped_event(capped, self.collector.layer_gate.limit)
+        log.warning("%s", ev["reason"])
+        if self.note is not None:
+            self.note(ev)
 
     def _quiet(self, msgs: list[Accepted]) -> bool:
         """``Engine.quiet``; a screen that fails costs the order of the tick (its messages are

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..decide import recovery as rc
@@ -37,10 +37,53 @@ def run_view(state: rc.State) -> dict[str, Any]:
     }
 
 
-def journal_view(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """:func:`run_view` of the state the journal folds to, plus its size and its last event."""
+def fold_journal(
+    events: Sequence[dict[str, Any]], lines: Sequence[int] | None = None
+) -> tuple[rc.State, str | None]:
+    """The state ``events`` fold to (:func:`~..decide.recovery.fold`) and None; or, when one of
+    them cannot be replayed (an unknown observation type - a newer spikeguard's, a hand edit -
+    or one the machine cannot take), the state of the events before it and what is wrong with
+    which line (``lines``: each event's line number, :attr:`~..journal.JournalRead.lines`).
+
+    A journal is input: whatever it holds, this never raises. The first event that breaks the
+    fold is found by bisection (a prefix that folds ends before it), so the rule of replaying
+    stays the machine's, in one place."""
+    state, error = _try_fold(events)
+    if state is not None:
+        return state, None
+    good, bad = 0, len(events)  # events[:good] fold, events[:bad] do not (error: why not)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        folded, failed = _try_fold(events[:mid])
+        if folded is None:
+            bad, error = mid, failed
+        else:
+            good, state = mid, folded
+    ev = events[bad - 1]
+    where = f"line {lines[bad - 1]}" if lines is not None else f"event {bad}"
+    seq = f" (seq {ev.get('seq')!r})" if "seq" in ev else ""
+    problem = f"{where}{seq} cannot be replayed ({type(error).__name__}: {error})"[:500]
+    return state if state is not None else rc.State(), problem
+
+
+def _try_fold(events: Sequence[dict[str, Any]]) -> tuple[rc.State | None, Exception | None]:
+    try:
+        return rc.fold(events), None
+    except Exception as e:  # a journal is input: any failure of the fold is a line to name
+        return None, e
+
+
+def journal_view(
+    events: Iterable[dict[str, Any]], lines: Sequence[int] | None = None
+) -> dict[str, Any]:
+    """:func:`run_view` of the state the journal folds to, plus its size and its last event;
+    ``replay_problem`` when a line cannot be replayed (:func:`fold_journal`: the state is then
+    the one before it)."""
     evs = list(events)
-    view = run_view(rc.fold(evs))
+    state, problem = fold_journal(evs, lines)
+    view = run_view(state)
+    if problem is not None:
+        view["replay_problem"] = problem
     last = evs[-1] if evs else None
     view["events"] = len(evs)
     view["last_event"] = (
@@ -54,14 +97,18 @@ def journal_view(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
 def finished(events: list[dict[str, Any]]) -> str | None:
     """How the run ended, when its journal folds to a terminal phase (``completed (exit code 0)
     at TIME: REASON``); None for a run that has not ended (or a journal that does not fold)."""
-    try:
-        state = rc.fold(events)
-    except (ValueError, TypeError, KeyError):
+    state, problem = fold_journal(events)
+    if problem is not None:
         return None
     if state.phase not in rc.TERMINAL:
         return None
     last: dict[str, Any] = next(
-        (e for e in reversed(events) if e.get("kind") in TERMINAL_KINDS), {}
+        (
+            e
+            for e in reversed(events)
+            if isinstance(e.get("kind"), str) and e["kind"] in TERMINAL_KINDS
+        ),
+        {},
     )
     return (
         f"{state.phase.value.lower()} (exit code {state.exit_code}) at "

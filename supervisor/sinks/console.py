@@ -25,6 +25,31 @@ from ..redaction import held_secrets
 from .registry import BaseSink, SinkContext, register
 
 
+def say(text: str, out: TextIO) -> None:
+    """Print ``text`` to ``out``, flushed. When the reader of ``out`` has gone (a closed pipe:
+    ``spikeguard submit job.yaml | head``), ``out`` is pointed at ``/dev/null`` (:func:`silence`)
+    and the run goes on: nobody reads the console any more, the journal has the story."""
+    try:
+        print(text, file=out, flush=True)
+    except BrokenPipeError:
+        silence(out)
+
+
+def silence(out: TextIO) -> None:
+    """Point ``out``'s file descriptor at ``/dev/null``, so that what is still written to it
+    (what its buffer holds, flushed at exit) never fails again on a closed pipe; nothing for a
+    stream that is not a file (a test's capture)."""
+    try:
+        fd = out.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
 class ConsoleNotifier(BaseSink):
     """Prints every story event as it is journaled (alerts only of the ``severities`` the
     policy's ``notify.routes`` send to the console)."""
@@ -50,7 +75,7 @@ class ConsoleNotifier(BaseSink):
         if ev.get("kind") == "alert" and str(ev.get("severity") or "warn") not in self.severities:
             return
         line = redact(describe(ev), self.secrets)
-        print(f"[spikeguard {ev['mono']:8.1f}s] {line}", file=self.out, flush=True)
+        say(f"[spikeguard {ev['mono']:8.1f}s] {line}", self.out)
 
 
 @register("console")
@@ -73,7 +98,7 @@ class LiveView:
         if now - self._last < self.every_s:
             return
         self._last = now
-        print(render_status(live_status(ctl.state, ctl.collector)), file=self.out, flush=True)
+        say(render_status(live_status(ctl.state, ctl.collector)), self.out)
 
 
 WORST_K = 5

@@ -19,6 +19,7 @@ from spikeguard.workers.contract.secret_scan import redact
 
 from ..launch.interface import RankPoll
 from ..redaction import held_secrets
+from .console import say
 
 MAX_LINE_CHARS = 2000
 """A longer line is cut (and says so)."""
@@ -69,4 +70,4 @@ class RankOutput:
             self._left_out[rank] = left
         self._budget[rank] = (allowance, now)
         if shown:
-            print("\n".join(shown), file=self.out, flush=True)
+            say("\n".join(shown), self.out)  # a closed pipe silences it, never the run

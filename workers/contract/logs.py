@@ -12,6 +12,7 @@ An application that configures logging itself can remove it (``logging.getLogger
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 ROOT = "spikeguard"
@@ -30,6 +31,20 @@ class _Stdout(logging.StreamHandler):  # type: ignore[type-arg]
     @stream.setter
     def stream(self, _value: object) -> None:
         pass
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        """A closed pipe (``spikeguard ... | head``) is not a logging error: later records go
+        to /dev/null instead of a "--- Logging error ---" block on stderr each."""
+        if isinstance(sys.exc_info()[1], BrokenPipeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, sys.stdout.fileno())
+            except (OSError, ValueError):
+                sys.stdout = open(os.devnull, "w")  # lives as long as stdout
+            finally:
+                os.close(devnull)
+            return
+        super().handleError(record)
 
 
 def logger(name: str) -> logging.Logger:
