@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from spikeguard.workers import contract
 from spikeguard.workers.checkpoint.retention import RetentionSettings
@@ -18,10 +18,10 @@ from .controller import Controller
 from .decide import recovery as rc
 from .decide.events import Kind
 from .job import JobSpec, load_job_policy
-from .journal import read_events
+from .journal import JOURNAL_NAME, read_journal
 from .launch.group import GroupSpec, WorkerGroup, python_cmd
 from .launch.ray_init import init_ray
-from .observe.status import finished
+from .observe.status import finished, fold_journal
 from .sinks import SinkSet, build_sinks, destinations
 from .sinks.console import LiveView
 from .sinks.metrics import start_metrics
@@ -136,6 +136,39 @@ def replayable(events: list[dict[str, Any]]) -> bool:
     return not launched or any("obs" in e for e in events)
 
 
+def _journal_to_continue(job: JobSpec, run_dir: Path) -> tuple[list[dict[str, Any]], int | None]:
+    """The journal of ``run_dir`` to continue (empty for a new run) and None; or, when there is
+    nothing to continue, why said and the exit code: a finished run (its own exit code), a
+    journal an older spikeguard wrote or one with a line the recovery machine cannot replay
+    (bad input). What is odd about other lines is said (a warning each) and does not stop it."""
+    read = read_journal(run_dir)
+    for problem in read.problems:
+        log.warning(f"{run_dir / JOURNAL_NAME} {problem}")
+    events = read.events
+    if not replayable(events):
+        log.warning(
+            f"{run_dir} holds the journal of an older spikeguard, which a restart "
+            "cannot replay; it can be read (spikeguard events) but not continued. Use another "
+            "--run-dir or --name for a new run."
+        )
+        return events, ExitCode.BAD_INPUT
+    _, broken = fold_journal(events, read.lines)
+    if broken is not None:
+        log.warning(
+            f"{run_dir / JOURNAL_NAME} {broken}: the run cannot be continued from it (it can be "
+            "read: spikeguard events). Use another --run-dir or --name for a new run."
+        )
+        return events, ExitCode.BAD_INPUT
+    done = finished_outcome(events) if events else None
+    if done is not None:
+        log.info(
+            f"run {job.name} in {run_dir} already finished: {finished(events)}. "
+            "Nothing to do; its journal is final. Use another --run-dir or --name for a new run."
+        )
+        return events, done.exit_code if done.exit_code is not None else ExitCode.FAILED
+    return events, None
+
+
 def run_job(job: JobSpec, *, live: bool = True) -> int:
     """Run ``job`` to its end; returns the process exit code (see the README's table).
 
@@ -148,37 +181,31 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
 
     policy = load_job_policy(job)
     run_dir = job.resolved_run_dir()
-    try:
+    lock: IO[str] | None = None
+    locked: Exception | None = None
+    try:  # the lock first: the journal read next is the one this supervisor continues
         rundir.refuse_links(run_dir)
-    except rundir.UnsafePath as e:
-        log.warning("%s", e)
-        return ExitCode.BAD_INPUT
-    events = read_events(run_dir)
-    if not replayable(events):
-        log.warning(
-            f"{run_dir} holds the journal of an older spikeguard, which a restart "
-            "cannot replay; it can be read (spikeguard events) but not continued. Use another "
-            "--run-dir or --name for a new run."
-        )
-        return ExitCode.BAD_INPUT
-    done = finished_outcome(events) if events else None
-    if done is not None:
-        log.info(
-            f"run {job.name} in {run_dir} already finished: {finished(events)}. "
-            "Nothing to do; its journal is final. Use another --run-dir or --name for a new run."
-        )
-        return done.exit_code if done.exit_code is not None else ExitCode.FAILED
-    try:
         lock = rundir.acquire_lock(run_dir)
     except (rundir.LockHeld, rundir.UnsafePath) as e:
         log.warning("%s", e)
         return ExitCode.BAD_INPUT
-    try:  # private: 0700, the files 0600 (the controller appends to journal and reports)
-        rundir.prepare(run_dir)
-    except rundir.UnsafePath as e:
-        lock.close()
-        log.warning("%s", e)
-        return ExitCode.BAD_INPUT
+    except OSError as e:  # a read-only or foreign directory: a finished run can still say so
+        locked = e
+    events, code = _journal_to_continue(job, run_dir)
+    if code is None and lock is None:
+        log.warning(f"cannot use {run_dir} as the run directory: {locked}")
+        code = ExitCode.BAD_INPUT
+    if code is None and lock is not None:
+        try:  # private: 0700, the files 0600 (the controller appends to journal and reports)
+            rundir.prepare(run_dir)
+        except (rundir.UnsafePath, OSError) as e:
+            log.warning("%s", e)
+            code = ExitCode.BAD_INPUT
+    if code is not None:
+        if lock is not None:
+            lock.close()
+        return code
+    assert lock is not None
     t = job.timeouts
     started = init_ray(job)
     group = WorkerGroup(

@@ -35,6 +35,7 @@ OWN_RAY_LAST = (
     "test_bench_recovery.py",
     "test_cluster_gpus.py",
     "test_faults_nodes.py",
+    "test_node_workdir.py",
     "test_ray_jobs.py",
 )
 """Modules that shut the shared Ray down to run their own (a multi-node ``Cluster``, a ``ray start``
@@ -50,6 +51,7 @@ TRAINING_MODULES = frozenset(
         "test_demo.py",
         "test_example.py",
         "test_example_fsdp.py",
+        "test_hf_loss_truth.py",
         "test_hf_trainer.py",
         "test_lightning.py",
         "test_observe_ray.py",
@@ -70,8 +72,11 @@ FAULT_MODULES = frozenset(
         "test_faults_ranks.py",
         "test_faults_recovery.py",
         "test_faults_supervisor.py",
+        "test_node_workdir.py",
+        "test_preempt_semantics.py",
         "test_rank_env_ray.py",
         "test_ray_jobs.py",
+        "test_sigterm_group.py",
         "test_slack_supervised.py",
         "test_standby_process.py",
     }

@@ -27,6 +27,7 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import IO
 
 import pytest
 from conftest import SCRIPTS, events, kinds
@@ -72,8 +73,12 @@ def free_ports(n: int) -> list[int]:
 
 
 class Head:
-    def __init__(self, root: Path) -> None:
+    """A Ray head of its own (``ray start --head --block`` in a session of its own), with
+    ``num_cpus`` CPUs; :meth:`add_node` joins worker nodes to it, each with its own temp dir."""
+
+    def __init__(self, root: Path, num_cpus: int = 4) -> None:
         self.root = root
+        self.nodes: list[tuple[subprocess.Popen[bytes], str, IO[bytes]]] = []
         token = root / "token"
         token.write_text(uuid.uuid4().hex)
         token.chmod(0o600)
@@ -88,6 +93,7 @@ class Head:
         gcs, dash, client, agent, agent_grpc, rt_env, metrics = free_ports(7)
         self.temp = tempfile.mkdtemp(prefix="sgray-", dir="/tmp")  # unix socket paths stay short
         self.address = f"http://127.0.0.1:{dash}"
+        self.gcs = f"127.0.0.1:{gcs}"
         argv = [
             str(BIN / "ray"),
             "start",
@@ -103,7 +109,7 @@ class Head:
             f"--runtime-env-agent-port={rt_env}",
             f"--metrics-export-port={metrics}",
             f"--temp-dir={self.temp}",
-            "--num-cpus=4",
+            f"--num-cpus={num_cpus}",
             "--object-store-memory=80000000",
             "--include-dashboard=true",
             "--disable-usage-stats",
@@ -127,6 +133,33 @@ class Head:
             return False
         return True
 
+    def add_node(self, num_cpus: int = 1) -> str:
+        """Join a worker node (``ray start --address --block``) with a temp dir of its own;
+        returns that temp dir. The node registers in the background (a job's placement waits)."""
+        agent, agent_grpc, rt_env, metrics = free_ports(4)
+        temp = tempfile.mkdtemp(prefix="sgnode-", dir="/tmp")
+        argv = [
+            str(BIN / "ray"),
+            "start",
+            f"--address={self.gcs}",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--runtime-env-agent-port={rt_env}",
+            f"--metrics-export-port={metrics}",
+            f"--temp-dir={temp}",
+            f"--num-cpus={num_cpus}",
+            "--object-store-memory=80000000",
+            "--disable-usage-stats",
+        ]
+        log = open(self.root / f"node-{len(self.nodes) + 1}.log", "wb")
+        proc = subprocess.Popen(
+            argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.nodes.append((proc, temp, log))
+        return temp
+
     def client(self, *args: str, timeout: float = 60) -> dict:
         out = subprocess.run(
             [sys.executable, str(CLIENT), self.address, *args],
@@ -137,17 +170,44 @@ class Head:
         assert out.returncode == 0, out.stderr.decode()[-3000:]
         return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
+    def submit(self, job_id: str, wd: Path, entrypoint: str) -> None:
+        """Submit through the Jobs API; a head whose job agent is not up yet ("No available
+        agent to submit job", on a loaded machine seconds after the API answers) is asked
+        again until it is."""
+        end = time.monotonic() + 120
+        while True:
+            out = subprocess.run(
+                [sys.executable, str(CLIENT), self.address, "submit", job_id, str(wd), entrypoint],
+                env=self.env,
+                capture_output=True,
+                timeout=60,
+            )
+            err = out.stderr.decode()
+            if out.returncode == 0:
+                return
+            assert "No available agent" in err and time.monotonic() < end, err[-3000:]
+            time.sleep(1.0)
+
     def close(self) -> None:
-        # `ray start --block` stops the head's processes when it is signalled; what is still
-        # there after a few seconds is killed (nothing of this head is kept)
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(8)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
+        for proc, temp, log in self.nodes:  # the worker nodes first, as `ray stop` would
+            _stop(proc)
+            log.close()
+            shutil.rmtree(temp, ignore_errors=True)
+        _stop(self.proc)
         self.log.close()
         shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop one ``ray start --block`` we started, by its own process group: it stops its node's
+    processes when signalled; what is still there after a few seconds is killed. (Never ``ray
+    stop``: it stops every Ray on the machine, other runs' too.)"""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(8)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +242,7 @@ ENTRYPOINT = "spikeguard submit job.yaml --address auto"
 
 
 def submit(head: Head, job_id: str, wd: Path, entrypoint: str = ENTRYPOINT) -> None:
-    head.client("submit", job_id, str(wd), entrypoint)
+    head.submit(job_id, wd, entrypoint)
 
 
 def test_a_completed_run_succeeds_with_exit_0_and_its_ranks_output_in_the_job_logs(head, tmp_path):
@@ -218,23 +278,27 @@ def test_an_escalated_run_fails_the_job_with_exit_3(head, tmp_path):
 def test_ray_job_stop_preempts_with_a_checkpoint_and_the_same_job_submitted_again_resumes(
     head, tmp_path
 ):
-    args = ["--steps", "120", "--step-sleep", "0.05", "--ckpt-every", "50"]
-    wd = job_dir(tmp_path, "pre", args)
+    # the ranks wait before step 70 (past the regular checkpoint at 50) until the test lets them
+    # go, after the stop: the preemption finds them training however fast the machine is, and
+    # they answer it at their next step boundary (the run has 170 steps left to do so)
+    go = tmp_path / "go"
+    args = ["--steps", "240", "--step-sleep", "0.05", "--ckpt-every", "50"]
+    wd = job_dir(tmp_path, "pre", [*args, "--hold-at", "70", "--hold-file", str(go)])
     run_dir = tmp_path / "run-pre"
     submit(head, "sg-pre-1", wd)
-    end = time.monotonic() + 240
-    while not any(
-        e.get("step", 0) >= 60 for e in _heartbeats(run_dir)
-    ):  # training is between two checkpoints
-        assert time.monotonic() < end, "the run never reached step 60"
-        time.sleep(0.2)
+    wait_until(lambda: _heartbeat_steps(run_dir) >= {(0, 69), (1, 69)}, 240, "the hold at 70")
     head.client("stop", "sg-pre-1")
+    wait_until(lambda: _asked(run_dir), 120, "the emergency checkpoint request")
+    go.touch()
     info = head.client("wait", "sg-pre-1", "120", timeout=180)
     assert info["status"] == "STOPPED", info
     evs = events(run_dir)
-    assert evs[-1]["kind"] == "preempted" and evs[-1]["exit_code"] == 143, evs[-1]
-    saved = evs[-1]["checkpoint_step"]
-    assert saved is not None and saved >= 60  # an emergency checkpoint, past the regular one
+    pre = evs[-1]
+    assert pre["kind"] == "preempted" and pre["exit_code"] == 143, pre
+    assert pre["code"] == "preempted_after_checkpoint", pre
+    saved = pre["checkpoint_step"]
+    assert saved >= 70 and saved % 50 != 0  # the emergency checkpoint, past the regular one
+    assert (pre["resume_checkpoint"], pre["resume_step"]) == (pre["checkpoint_path"], saved)
 
     submit(head, "sg-pre-2", wd)  # a RayJob retry or a user resubmitting: same job, same run dir
     info = head.client("wait", "sg-pre-2", "240", timeout=300)
@@ -245,7 +309,22 @@ def test_ray_job_stop_preempts_with_a_checkpoint_and_the_same_job_submitted_agai
     assert evs[-1]["kind"] == "completed"
 
 
-def _heartbeats(run_dir: Path) -> list[dict]:
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _heartbeat_steps(run_dir: Path) -> set[tuple[int, int]]:
+    """(rank, step) of every step a rank reported (a sampled step is a ``report``)."""
     from conftest import reports
 
-    return [m for m in reports(run_dir) if m.get("type") == "heartbeat"]
+    return {
+        (m["rank"], m["step"]) for m in reports(run_dir) if m["type"] in ("heartbeat", "report")
+    }
+
+
+def _asked(run_dir: Path) -> bool:
+    path = run_dir / "journal.jsonl"
+    return path.exists() and any(e.get("code") == "preemption" for e in events(run_dir))

@@ -111,10 +111,13 @@ def preempted_run(saved: bool = True) -> Run:
     assert t.effects == (rc.RequestCheckpoint(1, "SIGTERM", wait=True),)
     if saved:
         t = r.feed(rc.CheckpointSaved(1, "/c/230.pt", 230))
-    else:
-        t = r.feed(rc.GraceExpired(1))
+        assert isinstance(t.effects[0], rc.Kill)
+    else:  # the ranks are killed, then the newest usable checkpoint is named
+        kill, select = r.feed(rc.GraceExpired(1)).effects
+        assert isinstance(kill, rc.Kill) and isinstance(select, rc.SelectCheckpoint)
+        t = r.feed(ckpt(200))
     assert r.state.phase is rc.Phase.PREEMPTED and r.state.exit_code == 143
-    assert isinstance(t.effects[0], rc.Kill) and t.effects[-1] == rc.Shutdown(143)
+    assert t.effects[-1] == rc.Shutdown(143)
     return r
 
 
@@ -124,6 +127,7 @@ def test_preemption_asks_for_an_emergency_checkpoint_then_stops_resumably(saved)
     pre = r.journal[-1]
     assert pre["kind"] == "preempted" and pre["interrupted"] == "PROBATION"
     assert pre["checkpoint_step"] == (230 if saved else None)
+    assert pre["resume_step"] == (230 if saved else 200)
     assert rc.Phase.PREEMPTED not in rc.TERMINAL  # a preempted run is not finished
 
 

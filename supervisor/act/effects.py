@@ -106,6 +106,9 @@ class Effects:
         )
         inc = self.state().incident
         doc = answers.document(incident_step=inc.step if inc is not None else None, waited_s=waited)
+        held = forensics.summary(doc)
+        if answers.ranks and held["batches"] == 0 and not held["truncated"]:
+            return None  # the script passes no batch ids to sg.step(): nothing to file or say
         path = None
         if answers.ranks:
             path = forensics.batch_ids_path(self.paths.root, incident, attempt)
@@ -190,9 +193,10 @@ class Effects:
         delivered = self.group.request(payload)
         if not eff.wait:
             return None
-        if delivered == 0:
-            return rc.GraceExpired(eff.request_id)  # nobody to ask: do not wait for nothing
-        self.awaited = (eff.request_id, time.monotonic() + self.settings.preempt_grace_s)
+        # nobody alive to ask: no grace to wait, only the tick's read of the exits still due (a
+        # run whose ranks all finished completes rather than being preempted)
+        grace = self.settings.preempt_grace_s if delivered else 0.0
+        self.awaited = (eff.request_id, time.monotonic() + grace)
         return None
 
     def shutdown(self, eff: rc.Shutdown) -> None:

@@ -227,11 +227,25 @@ def _preemption(f: Values, c: Values) -> str:
     return f"{c['reason']}: asking the ranks for an emergency checkpoint"
 
 
-def _preempted_without_checkpoint(f: Values, c: Values) -> str:
-    """Not training (nothing to save): the preemption's own reason; else the grace ran out."""
-    given: str | None = c.get("reason")
+def _preempted_after_checkpoint(f: Values, c: Values) -> str:
     return (
-        given if given is not None else "preempted: no emergency checkpoint within the grace period"
+        f"preempted after an emergency checkpoint at step {f['checkpoint_step']}: "
+        "the next submit of the job resumes from it"
+    )
+
+
+def _preempted_without_checkpoint(f: Values, c: Values) -> str:
+    """Not training (nothing to save): the preemption's own reason; else the grace ran out, and
+    the text names where the resume starts (the newest usable checkpoint, or step 0)."""
+    given: str | None = c.get("reason")
+    if given is not None:
+        return given
+    head = "preempted: no emergency checkpoint within the grace period"
+    if f.get("resume_checkpoint") is None:
+        return f"{head}; no checkpoint on this run's lineage yet: the next submit starts at step 0"
+    return (
+        f"{head}; the next submit resumes from the newest usable checkpoint, "
+        f"step {f['resume_step']}"
     )
 
 
@@ -306,9 +320,7 @@ WORDING: dict[tuple[Kind, Code], Wording] = {
     (Kind.ALERT, Code.PREEMPTION): _preemption,
     (Kind.FAILED, Code.CRASH_WITHOUT_RULE): _crash_without_rule,
     (Kind.FAILED, Code.LAUNCH_RETRIES_SPENT): _launch_retries_spent,
-    (Kind.PREEMPTED, Code.PREEMPTED_AFTER_CHECKPOINT): _fixed(
-        "preempted after an emergency checkpoint"
-    ),
+    (Kind.PREEMPTED, Code.PREEMPTED_AFTER_CHECKPOINT): _preempted_after_checkpoint,
     (Kind.PREEMPTED, Code.PREEMPTED_WITHOUT_CHECKPOINT): _preempted_without_checkpoint,
     (Kind.LAUNCH_FAILED, Code.LAUNCH_RETRIES_SPENT): _given,
     (Kind.LAUNCH_FAILED, Code.LAUNCH_FAILED): _launch_failed,
@@ -357,6 +369,12 @@ def kill_for_incident(incident: str, rule: str) -> str:
 def kill_after_launch_failure(reason: str) -> str:
     """The kill of what a failed launch left running."""
     return f"launch failure: {reason}"
+
+
+def kill_on_preemption() -> str:
+    """The kill of a preemption whose grace period ran out (before the checkpoint to resume from
+    is chosen, so nothing is written after the choice)."""
+    return "preempted: no emergency checkpoint within the grace period"
 
 
 def kill_on_restart(incident: str) -> str:

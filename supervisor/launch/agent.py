@@ -3,13 +3,18 @@
 The agent runs the user's torchrun-style entrypoint as a subprocess in its
 own session (so the whole process tree can be SIGKILLed, also while it is
 hung inside a collective), serves the rank's report socket and buffers what
-arrives until the supervisor polls. It knows nothing of policies or
-recovery: it only starts, reports and kills.
+arrives until the supervisor polls. The socket takes lines only from the
+process it serves (or one of its session: ``SO_PEERCRED``); another process
+of the same user, a rank of another generation, is refused at connect. A
+standby's lines from before its release are discarded at the release: nothing
+the generation it becomes said came before it became it. It knows nothing of
+policies or recovery: it only starts, reports and kills.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -17,10 +22,13 @@ import subprocess
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from spikeguard.workers import contract
+from spikeguard.workers.channel import peer_problem
 
+from .. import rundir
 from .interface import LaunchedRank, NodeInfo, RankKill, RankPoll
 
 MAX_BUFFERED_LINES = 20000
@@ -28,6 +36,11 @@ MAX_LINE_BYTES = 1 << 20
 LOG_TAIL_BYTES = 4096
 OUTPUT_BYTES_PER_POLL = 64 * 1024
 """At most this much of a rank's new output travels with one poll (to the driver's stdout)."""
+START_WAIT_S = 60.0
+"""How long a connection waits for the process to be started before the peer check (the
+socket is served just before the process starts)."""
+
+log = logging.getLogger(__name__)
 
 
 class _Process:
@@ -58,6 +71,14 @@ class _Process:
         """Something arrived from the process (a standby that said hello is ready)."""
         self.port = 0
         """The MASTER_PORT it was started with."""
+        self.started = threading.Event()
+        """Set once :attr:`proc` is known (a connection's peer is checked against its pid)."""
+        self.refused = 0
+        """Connections from another process refused (see :meth:`_peer_problem`)."""
+        self.last_refusal: str | None = None
+        """Why the latest of them was refused."""
+        self.epoch = 0
+        """How many times what had arrived was discarded (:meth:`discard_arrived`)."""
 
     # -- the report socket ------------------------------------------------------------------
     def serve(self) -> None:
@@ -75,6 +96,15 @@ class _Process:
                 conn, _ = srv.accept()
             except OSError:
                 return
+            problem = self._peer_problem(conn)
+            if problem is not None:  # never read from, never sent a request
+                with self.lock:
+                    self.refused += 1
+                    self.last_refusal, first = problem, self.refused == 1
+                if first:  # said once: a process retrying in a loop must not flood the log
+                    log.warning(f"rank {self.rank} socket {self.sock}: refused {problem}")
+                conn.close()
+                continue
             with self.lock:
                 if self.closed:
                     conn.close()
@@ -85,9 +115,19 @@ class _Process:
                 _send(conn, line)
             threading.Thread(target=self._read, args=(conn,), daemon=True).start()
 
+    def _peer_problem(self, conn: socket.socket) -> str | None:
+        """Why the process at the other end of ``conn`` may not report here, or None: it must
+        run as this agent's uid and be the process served, or one of the session it leads (it
+        was started in its own)."""
+        self.started.wait(START_WAIT_S)
+        if self.proc is None:
+            return "no process was started for this socket"
+        return peer_problem(conn, session=self.proc.pid)
+
     def _read(self, conn: socket.socket) -> None:
         buf = b""
         skipping = False  # inside a line longer than MAX_LINE_BYTES: discard up to its newline
+        epoch = self.epoch
         with conn:
             while True:
                 try:
@@ -98,6 +138,9 @@ class _Process:
                     with self.lock:
                         self.conns.discard(conn)
                     return
+                with self.lock:
+                    if self.epoch != epoch:  # a line begun before the discard goes with it
+                        epoch, skipping, buf = self.epoch, skipping or bool(buf), b""
                 buf += chunk
                 *lines, buf = buf.split(b"\n")
                 oversize = 0
@@ -119,6 +162,15 @@ class _Process:
                     self.lines.extend(lines[: max(room, 0)])
                     self.overflow += max(len(lines) - max(room, 0), 0)
 
+    def discard_arrived(self) -> int:
+        """Drop every line (and partial line) that has arrived so far, with its counts: a
+        standby's, at its release. Returns how many lines were dropped."""
+        with self.lock:
+            dropped = len(self.lines)
+            self.lines, self.overflow, self.oversize = [], 0, 0
+            self.epoch += 1
+        return dropped
+
     def request(self, payload: dict[str, Any]) -> bool:
         """Send ``payload`` (one JSON line) now and on every later connection; True when the
         process is alive to get it."""
@@ -133,18 +185,21 @@ class _Process:
     # -- the process ------------------------------------------------------------------------
     def start(self, cmd: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        self.log = open(log_path, "ab")
+        self.log = rundir.open_append(Path(log_path))  # 0600, never through a symlink
         self.log_path = log_path
         self.out_offset = self.log.tell()
-        self.proc = subprocess.Popen(
-            cmd,
-            env=env,
-            cwd=cwd,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        try:
+            self.proc = subprocess.Popen(
+                cmd,
+                env=env,
+                cwd=cwd,
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            self.started.set()  # a connection waiting for the peer check goes on either way
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -256,6 +311,9 @@ class RankAgent:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
+        self._cwd = os.getcwd()
+        """Where Ray started this agent: with a runtime-env ``working_dir`` (Ray Jobs'
+        ``--working-dir``), its node's own copy of it, which the rank starts in."""
         self._sockdir = tempfile.mkdtemp(prefix="sg-")
         self._active: _Process | None = None
         self._standby: _Process | None = None
@@ -272,6 +330,7 @@ class RankAgent:
             host=socket.gethostname(),
             pid=os.getpid(),
             gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+            cwd=self._cwd,
         )
 
     def free_port(self) -> int:
@@ -376,6 +435,7 @@ class RankAgent:
                 return None
             self._retire_active()
             self._standby, self._active = None, p
+            p.discard_arrived()  # what it got while it waited is not the new generation's
             p.request({"type": "release", "generation": generation, "plan": plan_path})
             return self._launched(p, standby=True)
 

@@ -21,8 +21,10 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from spikeguard.workers import contract
+from spikeguard.workers.contract.logs import logger
 
 from .. import rundir
+from . import reaper
 from .agent import RankAgent
 from .interface import (
     GroupSpec,
@@ -34,12 +36,17 @@ from .interface import (
     RankPoll,
     StandbyChange,
 )
-from .topology import Layout, rank_variables
+from .ray_init import ray_reachable
+from .topology import Layout, rank_start, rank_variables
 
 __all__ = ["GroupSpec", "LaunchError", "WorkerGroup", "python_cmd"]
 
+log = logger(__name__)
+
 STANDBY_MAX_FAILURES = 3
 """Standbys that die in a row (while waiting) before standby is given up for the run."""
+ALL_GENERATIONS = 1 << 62
+"""Above every generation number: :func:`.reaper.kill_stale` below it kills them all."""
 
 
 class WorkerGroup:
@@ -66,6 +73,12 @@ class WorkerGroup:
         self._standby_failures = 0
         self._standby_off: str | None = None
         """Why standby was given up for the run (None: it is not)."""
+        self._ckpt_dir: str | None = None
+        """The run's checkpoint directory, as its ranks got it: it tells their processes apart
+        from every other process of the node (:mod:`.reaper`)."""
+        self._working_dir = False
+        """The job has a runtime-env working directory (Ray Jobs' ``--working-dir``): every node
+        has its own copy, and each rank starts in its node's (see :func:`.topology.rank_start`)."""
 
     # -- the gang ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -114,6 +127,7 @@ class WorkerGroup:
                 f"the rank agents did not start: {type(e).__name__}: {e}"[:500]
             ) from e
         self._pending, self._lost = {}, {}
+        self._working_dir = _has_working_dir()
 
     def _healthy(self) -> bool:
         if self._lost or not self._agents:
@@ -166,6 +180,7 @@ class WorkerGroup:
     ) -> list[Any]:
         """One ``agent.<method>`` call per rank (``start`` or ``start_standby``), each with its
         rank's environment and log file."""
+        self._ckpt_dir = ckpt_dir
         envs = self._rank_envs(
             generation=generation,
             port=port,
@@ -174,17 +189,24 @@ class WorkerGroup:
             fence_file=fence_file,
             ckpt_dir=ckpt_dir,
         )
-        return [
-            getattr(agent, method).remote(
-                generation=generation,
-                cmd=cmd,
-                env=rank_env,
-                cwd=os.getcwd(),
-                log_path=log,
-                pass_env=self.spec.pass_env,
+        here = os.getcwd()
+        calls = []
+        for agent, node, (rank_env, log) in zip(self._agents, self._nodes, envs):
+            # each rank in its own node's copy of the job's working directory, if it has one
+            rank_cmd, rank_cwd = rank_start(
+                cmd, cwd=here, working_dir=self._working_dir, agent_cwd=node.cwd
             )
-            for agent, (rank_env, log) in zip(self._agents, envs)
-        ]
+            calls.append(
+                getattr(agent, method).remote(
+                    generation=generation,
+                    cmd=rank_cmd,
+                    env=rank_env,
+                    cwd=rank_cwd,
+                    log_path=log,
+                    pass_env=self.spec.pass_env,
+                )
+            )
+        return calls
 
     def _rank_envs(
         self,
@@ -463,9 +485,13 @@ class WorkerGroup:
         """Kill every reachable rank's process tree (agents stay up).
 
         Ranks whose agent is lost or does not answer within ``grace_s + 15`` seconds are
-        reported ``unreachable`` (fenced, reaped later by pid).
+        reported ``unreachable`` (fenced, reaped later by pid). When Ray itself is gone
+        (:func:`.ray_init.ray_reachable`), the ranks on this node are killed by pid instead
+        (:meth:`_kill_here`), the others reported unreachable.
         """
         t0 = time.monotonic()
+        if self._agents and not ray_reachable():
+            return self._kill_here(t0)
         refs = {
             r: a.kill.remote(grace_s) for r, a in enumerate(self._agents) if r not in self._lost
         }
@@ -510,7 +536,38 @@ class WorkerGroup:
                 continue
         return reached
 
+    def _kill_local(self) -> list[dict[str, Any]]:
+        """SIGKILL every process of this run on this node (ranks and standbys of any
+        generation, told apart by their environment: :mod:`.reaper`); what was killed."""
+        return reaper.kill_stale(self._ckpt_dir, ALL_GENERATIONS) if self._ckpt_dir else []
+
+    def _kill_here(self, t0: float) -> KillReport:
+        """Ray is gone: SIGKILL this run's rank processes on this node by pid (standbys too),
+        found by their environment; ranks with none here are reported unreachable (fenced; the
+        next supervisor reaps them)."""
+        killed = self._kill_local()
+        here = {int(p["rank"]) for p in killed if str(p.get("rank", "")).isdigit()}
+        gone = set(range(len(self._agents))) - here
+        for r in gone:
+            self._lost.setdefault(r, "Ray is gone (its GCS does not answer)")
+        return KillReport(duration_s=time.monotonic() - t0, unreachable=tuple(sorted(gone)))
+
     def shutdown(self) -> None:
+        """Kill every rank and standby, drop the agents and the placement group. When Ray is
+        gone, only what this node can do without it: its ranks killed by pid, nothing asked of
+        Ray (a call needing the GCS would block 60 s, then end the process with exit 1)."""
+        if not ray_reachable():
+            if self._agents:
+                killed = self._kill_local()
+                log.warning(
+                    "Ray is gone (its GCS does not answer: it got the same signal, or the "
+                    "cluster's head went down): leaving without it; %d rank processes of this "
+                    "run were still alive on this node, killed by pid",
+                    len(killed),
+                )
+            self._agents, self._pending, self._pg = [], {}, None
+            self._standby_gen, self._standby_dead = None, {}
+            return
         if self._agents:
             try:
                 self.kill()
@@ -518,6 +575,16 @@ class WorkerGroup:
             except RayError:
                 pass
         self._drop()
+
+
+def _has_working_dir() -> bool:
+    """Whether this job runs with a runtime-env ``working_dir`` (Ray Jobs' ``--working-dir``, or
+    one given to the driver's ``ray.init``): Ray then starts every worker of the job, the rank
+    agents too, in its own node's copy of it."""
+    try:
+        return bool(ray.get_runtime_context().runtime_env.get("working_dir"))
+    except (AttributeError, RuntimeError, RayError):
+        return False
 
 
 def python_cmd(script: str, args: list[str]) -> list[str]:

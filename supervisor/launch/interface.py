@@ -49,6 +49,9 @@ class NodeInfo:
     """The agent's own process."""
     gpu_ids: tuple[str, ...] = ()
     """The GPUs Ray assigned the agent (its rank's reservation), as device ids."""
+    cwd: str = ""
+    """The agent's working directory on its node: under Ray Jobs' ``--working-dir``, that node's
+    own copy of the job's working directory (where Ray starts every worker of the job)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 from typing import Any
 
 from ..job import JobSpec
@@ -45,3 +46,32 @@ def init_ray(job: JobSpec) -> bool:
         **kw,
     )
     return True
+
+
+GCS_PROBE_S = 2.0
+"""How long :func:`ray_reachable` waits for the GCS to accept a connection."""
+
+
+def ray_reachable(timeout_s: float = GCS_PROBE_S) -> bool:
+    """Whether this process's Ray is still there: its GCS accepts a TCP connection within
+    ``timeout_s``. False when Ray is not initialized, or when its GCS is gone: an embedded Ray
+    whose processes got the supervisor's SIGTERM with it (a signal to the whole process group,
+    as Slurm, systemd and ``timeout`` deliver it), or a cluster whose head went down.
+
+    Asked before the calls that need the GCS (removing a placement group, killing actors):
+    without one, such a call blocks until Ray's GCS client gives up, 60 s later, and that ends
+    the process with exit code 1 whatever the run's outcome was."""
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    try:
+        address = str(ray.get_runtime_context().gcs_address)
+    except Exception:  # Ray's own state is gone with it
+        return False
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False

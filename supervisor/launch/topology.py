@@ -8,6 +8,12 @@ exactly the names ``torchrun`` exports for the same layout (``RANK``, ``LOCAL_RA
 torchelastic launch (Lightning, HF Accelerate) recognise it, plus spikeguard's own and, on GPU
 nodes, ``CUDA_VISIBLE_DEVICES``.
 
+Working directory: under Ray Jobs' ``--working-dir`` every node has its own copy of the job's
+working directory, under that node's Ray temp directory (``…/runtime_resources/working_dir_files/
+_ray_pkg_<hash>``, the same name on every node, not the same path), and Ray starts the job's
+workers in it. :func:`rank_start` starts each rank in its own node's copy, with the supervisor's
+paths into its copy (the entrypoint) translated.
+
 GPUs: each rank's agent reserves ``gpus_per_worker`` GPUs, so Ray assigns it device ids and two
 runs on one node never share a GPU. With whole GPUs, every rank on a node sees the GPUs of all
 of this run's ranks on that node, in local-rank order (NCCL can then use peer-to-peer paths
@@ -19,6 +25,7 @@ its own device, ``cuda:0``.
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 from collections.abc import Sequence
 
 from spikeguard.workers.contract import env as names
@@ -107,3 +114,48 @@ def rank_variables(nodes: Sequence[NodeInfo], layout: Layout) -> list[dict[str, 
             v["CUDA_VISIBLE_DEVICES"] = devices
         out.append(v)
     return out
+
+
+def copy_root(cwd: str, copy_name: str) -> str | None:
+    """The directory named ``copy_name`` that ``cwd`` is (or lies in), the closest one; None
+    when there is none."""
+    path = posixpath.normpath(cwd)
+    while True:
+        if posixpath.basename(path) == copy_name:
+            return path
+        parent = posixpath.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+
+
+def rebase(path: str, root: str, new_root: str) -> str:
+    """``path`` moved from under ``root`` to under ``new_root``; any other string as it is."""
+    if not posixpath.isabs(path):
+        return path
+    norm = posixpath.normpath(path)
+    if norm != root and not norm.startswith(root.rstrip("/") + "/"):
+        return path
+    return posixpath.normpath(posixpath.join(new_root, posixpath.relpath(norm, root)))
+
+
+def rank_start(
+    cmd: Sequence[str], *, cwd: str, working_dir: bool, agent_cwd: str
+) -> tuple[list[str], str]:
+    """The command and the working directory of a rank whose agent Ray started in
+    ``agent_cwd``; ``cmd`` and ``cwd`` are the supervisor's.
+
+    Without a runtime-env working directory (``working_dir`` False: an embedded Ray, a shell on
+    the head of a cluster) the rank gets the supervisor's own, which must then mean the same on
+    every node (a shared filesystem). With one, the agent's ``agent_cwd`` is its node's copy:
+    the rank starts there, at the place the supervisor's ``cwd`` has in the supervisor's copy
+    (the closest directory of the same name), and every argument that is a path into the
+    supervisor's copy (the entrypoint) points into the node's copy instead. A supervisor that
+    runs outside its copy has nothing to translate: the rank starts at the top of its node's
+    copy, ``cmd`` as it is."""
+    if not working_dir or not agent_cwd:
+        return list(cmd), cwd
+    root = copy_root(cwd, posixpath.basename(posixpath.normpath(agent_cwd)))
+    if root is None:
+        return list(cmd), agent_cwd
+    return [rebase(arg, root, agent_cwd) for arg in cmd], rebase(cwd, root, agent_cwd)

@@ -821,11 +821,17 @@ def checkpoint_wanted(state: State, obs: CheckpointWanted) -> _Step:
 @_on(LIVE, Preempt)
 def preempt(state: State, obs: Preempt) -> _Step:
     """The supervisor must go. Training ranks are asked for an emergency checkpoint first (the
-    controller waits its grace period for it); in any other phase there is nothing to save."""
+    controller waits its grace period for it); in any other phase there is nothing to save.
+
+    What a preemption of training ends in, never neither: the ranks finish in the grace period
+    (every rank exits 0: :func:`finished`, completed wins), or their emergency checkpoint comes
+    (:func:`preempt_saved`), or the grace expires and the event names the newest usable
+    checkpoint, the one the resume will start from (:func:`preempt_expired`)."""
     if state.phase in (Phase.PREEMPTING, Phase.PREEMPTED):
         return _Step(state)
     if state.phase not in ACTIVE:
-        return _preempted(_replace(state, preempted_from=state.phase), None, obs.reason)
+        st = _replace(state, preempted_from=state.phase)
+        return _preempted(st, reason=obs.reason)
     n = state.requests_sent + 1
     event = _ev(
         Kind.ALERT,
@@ -842,36 +848,76 @@ def preempt(state: State, obs: Preempt) -> _Step:
 
 @_on([Phase.PREEMPTING], CheckpointSaved)
 def preempt_saved(state: State, obs: CheckpointSaved) -> _Step:
-    """The emergency checkpoint is durable: stop, resumably."""
+    """The emergency checkpoint is durable: stop, resumably; the resume starts from it."""
     if obs.request_id != state.requests_sent:
         return _Step(state)  # an answer to an older request
-    return _preempted(state, obs)
+    return _preempted(state, saved=obs)
 
 
 @_on([Phase.PREEMPTING], GraceExpired)
 def preempt_expired(state: State, obs: GraceExpired) -> _Step:
-    """No emergency checkpoint in time: stop anyway; the resume starts from the newest one."""
+    """No emergency checkpoint in time: kill the ranks, then choose the checkpoint the resume
+    will start from (:func:`preempt_named`). Killed first, so nothing lands on disk between the
+    choice and the resume (a fenced rank cannot publish either)."""
     if obs.request_id != state.requests_sent:
         return _Step(state)
-    return _preempted(state, None)
+    settings = state.incident.settings if state.incident is not None else Settings()
+    kill = Kill(wording.kill_on_preemption())
+    return _Step(state, (kill, resume_choice(state, settings)))
 
 
-def _preempted(state: State, saved: CheckpointSaved | None, given: str | None = None) -> _Step:
-    """Stop, resumably: after the emergency checkpoint ``saved``, or without one (``given``: the
-    preemption's own reason, when nothing was training)."""
+@_on([Phase.PREEMPTING], CheckpointChosen)
+def preempt_named(state: State, obs: CheckpointChosen) -> _Step:
+    """The newest usable checkpoint after the grace expired (None: the run has none yet, the
+    resume starts from step 0): stop, resumably, naming it. The ranks are dead already."""
+    return _preempted(state, resume=obs, killed=True)
+
+
+def resume_choice(state: State, settings: Settings) -> SelectCheckpoint:
+    """The checkpoint a resume of ``state`` chooses: the newest one on its lineage that verifies;
+    after a preemption of any grade, else of ``settings.min_grade`` (or the run's baseline).
+    The one rule for a restarted supervisor and for the name a preemption journals."""
+    min_grade = None if state.preempted_from is not None else settings.min_grade
+    return SelectCheckpoint(
+        min_grade, None, 0, state.lineage, grade_baseline=settings.grade_baseline
+    )
+
+
+def _preempted(
+    state: State,
+    *,
+    saved: CheckpointSaved | None = None,
+    resume: CheckpointChosen | None = None,
+    reason: str | None = None,
+    killed: bool = False,
+) -> _Step:
+    """Stop, resumably: after the emergency checkpoint ``saved``; or without one, naming the
+    checkpoint the resume starts from (``resume``, chosen when the grace expired); or, when
+    nothing was training, for the preemption's own ``reason`` (the resume then finishes the
+    step it interrupted). ``killed``: the ranks are dead already."""
     code = Code.PREEMPTED_AFTER_CHECKPOINT if saved else Code.PREEMPTED_WITHOUT_CHECKPOINT
+    named: dict[str, Any] = {}
+    if saved is not None:
+        named = {"resume_checkpoint": saved.path, "resume_step": saved.step}
+    elif resume is not None:
+        named = {"resume_checkpoint": resume.path, "resume_step": resume.step}
+        if resume.skipped:
+            named["resume_skipped"] = [list(s) for s in resume.skipped]
     event = _ev(
         Kind.PREEMPTED,
         code,
         state.incident,
-        {"reason": given},
+        {"reason": reason},
         checkpoint_path=saved.path if saved else None,
         checkpoint_step=saved.step if saved else None,
         interrupted=(state.preempted_from or state.phase).value,
         exit_code=ExitCode.PREEMPTED,
+        **named,
     )
     st = _replace(state, phase=Phase.PREEMPTED, exit_code=ExitCode.PREEMPTED)
-    return _Step(st, (Kill(wording.kill_reason(event)), Shutdown(ExitCode.PREEMPTED)), (event,))
+    shutdown = Shutdown(ExitCode.PREEMPTED)
+    effects = (shutdown,) if killed else (Kill(wording.kill_reason(event)), shutdown)
+    return _Step(st, effects, (event,))
 
 
 # ---- launch failures ---------------------------------------------------------------------------
@@ -994,10 +1040,8 @@ def _restart_resume(st: State, obs: Restarted) -> _Step:
     from (any grade after a preemption; else the incident's, or the policy's, ``min_grade``)."""
     back = st.resume_to if st.phase is Phase.RESUMING else st.phase
     s = st.incident.settings if st.incident is not None else obs.settings
-    min_grade = None if st.preempted_from is not None else s.min_grade
     st = _replace(st, phase=Phase.RESUMING, resume_to=back or Phase.RUNNING, resume_settings=s)
-    select = SelectCheckpoint(min_grade, None, 0, st.lineage, grade_baseline=s.grade_baseline)
-    return _Step(st, (select,))
+    return _Step(st, (resume_choice(st, s),))
 
 
 @_on_restart(Phase.KILLING)
