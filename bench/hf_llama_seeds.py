@@ -10,7 +10,13 @@ For each seed, ``examples/hf_llama_diverge.py`` runs
 - **with spikeguard**: ``spikeguard submit examples/hf_llama_diverge.yaml`` with that seed, on an
   embedded local Ray: the incidents, the Trainer checkpoints rolled back to, the final LR scale.
 
-Final loss: the mean of the last 50 steps' loss (rank 0's, in the generation that finished).
+Both modes read the loss from the same place: the Trainer's own per-step log (``--metrics``:
+rank 0 writes what ``on_log`` hands the callbacks, the all-rank mean the Trainer computes,
+``logging_steps=1``), never from spikeguard's reports. Under spikeguard a rolled-back step is
+logged again by the generation that retrains it; the run's loss curve is its final timeline, each
+step's loss from the generation that trained it last.
+
+Best loss: the lowest step of that curve. Final loss: the mean of its last 50 steps.
 
     python3 bench/hf_llama_seeds.py                      # seeds 0 1 2, both modes
     python3 bench/hf_llama_seeds.py --seeds 0 --modes without --world 1  # 1 process, batch 32
@@ -55,6 +61,18 @@ def _final(losses: list[float]) -> float:
     return sum(tail) / len(tail) if tail else math.nan
 
 
+def _trainer_losses(metrics: Path) -> tuple[list[int], list[float]]:
+    """The Trainer's logged loss per step from a ``--metrics`` file: the final timeline (a step
+    logged again by a later generation, after a rollback, takes that generation's value)."""
+    by_step: dict[int, float] = {}
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line)
+        if "loss" in row and "train_runtime" not in row:
+            by_step[int(row["step"])] = float(row["loss"])
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
 def without(seed: int, tmp: Path, extra: list[str], world: int = 2) -> dict:
     """One unsupervised run on ``world`` ranks (1: one process with the 2-rank job's global
     batch, 2 x 16, as ``bench/example_seeds.py`` does): onset, min and final loss."""
@@ -71,8 +89,7 @@ def without(seed: int, tmp: Path, extra: list[str], world: int = 2) -> dict:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL))
     codes = [p.wait() for p in procs]
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    losses, steps = [r["loss"] for r in rows], [r["step"] for r in rows]
+    steps, losses = _trainer_losses(metrics)
     return {
         "seed": seed,
         "mode": f"without ({world} rank{'s' if world > 1 else ''})",
@@ -89,10 +106,12 @@ def without(seed: int, tmp: Path, extra: list[str], world: int = 2) -> dict:
 
 def with_spikeguard(seed: int, tmp: Path, extra: list[str]) -> dict:
     """One supervised run of the job with ``--seed``: its story from the journal."""
+    metrics = tmp / f"with-{seed}.jsonl"
+    metrics.unlink(missing_ok=True)
     job = yaml.safe_load(JOB.read_text())
     job["entrypoint"] = str(EXAMPLE)
     job["policy"] = str(JOB.parent / job["policy"])
-    job["args"] = [*job["args"], "--seed", str(seed), *extra]
+    job["args"] = [*job["args"], "--seed", str(seed), "--metrics", str(metrics), *extra]
     spec = tmp / f"job-{seed}.yaml"
     spec.write_text(yaml.safe_dump(job))
     run = tmp / f"run-{seed}"
@@ -101,20 +120,14 @@ def with_spikeguard(seed: int, tmp: Path, extra: list[str]) -> dict:
     argv = [*cmd, "--run-dir", str(run), "--quiet", "--no-dashboard"]  # no port 8265 clash
     code = subprocess.run(argv, check=False).returncode
     events = [json.loads(line) for line in (run / "journal.jsonl").read_text().splitlines()]
-    reports = [json.loads(line) for line in (run / "reports.jsonl").read_text().splitlines()]
-    last_gen = max(m["gen"] for m in reports)
-    mine = [
-        m
-        for m in reports
-        if m["gen"] == last_gen and m["rank"] == 0 and m["type"] in ("heartbeat", "report")
-    ]
+    _, losses = _trainer_losses(metrics)
     rollbacks = [e for e in events if e["kind"] == "rollback"]
     return {
         "seed": seed,
         "mode": "with spikeguard (2 ranks)",
         "onset": None,
-        "min_loss": min(m["loss"] for m in mine if m["loss"] is not None),
-        "final_loss": _final([m["loss"] for m in mine if m["loss"] is not None]),
+        "min_loss": min(losses),
+        "final_loss": _final(losses),
         "incidents": ",".join(str(e["step"]) for e in events if e["kind"] == "incident"),
         "rollbacks": ",".join(
             Path(e["checkpoint_path"]).name if e.get("checkpoint_path") else "none"

@@ -49,6 +49,7 @@ from . import checkpoint as ckpt
 from . import contract
 from .channel import Channel, NullChannel, open_channel
 from .probes import Probes
+from .rank.cadence import Cadence
 from .rank.checkpoints import Checkpoints
 from .rank.config import RankConfig
 from .rank.framework import FrameworkApi
@@ -69,14 +70,6 @@ def _num(x: Any) -> float | None:
     return float(x)
 
 
-def _due(step: int, every: int | None) -> bool:
-    """Whether ``step`` is a multiple of ``every`` (from step ``every`` on; never without
-    ``every``)."""
-    if not every:
-        return False
-    return step > 0 and step % int(every) == 0
-
-
 class Session:
     """One rank's connection to spikeguard. Create it with :func:`attach`."""
 
@@ -89,7 +82,10 @@ class Session:
     ) -> None:
         self.config = config
         """What this rank is and where it reports (the environment, read once)."""
-        channel = open_channel(config.report, maxsize=config.queue_size)
+        # a standby knows its agent: it talks to no other server (workers/standby.py)
+        channel = open_channel(
+            config.report, maxsize=config.queue_size, server_pid=config.standby_agent
+        )
         self._reporter = Reporter(
             channel, run_id=config.run_id, generation=config.generation, rank=config.rank
         )
@@ -106,6 +102,7 @@ class Session:
         self._requests = Requests(self._reporter, batch_ids_window=config.batch_ids_window)
         self._fence = Fence(config.fence_file, generation=config.generation, rank=config.rank)
         self._lr = LrScale()
+        self._cadence = Cadence(config.checkpoint_every)
         self._checkpoints = Checkpoints(
             ckpt_dir=config.ckpt_dir,
             generation=config.generation,
@@ -239,6 +236,7 @@ class Session:
         loss_f, gn_f = _num(loss), _num(grad_norm)
         eff_lr = None if lr is None else float(lr) * self._lr.in_force
         self._lr.feed(s)
+        self._cadence.stepped(s)
         if batch_ids is not None:
             self._requests.record(s, batch_ids)
         fields: dict[str, Any] = {"loss": loss_f, "lr": eff_lr, "grad_norm": gn_f}
@@ -283,6 +281,11 @@ class Session:
         The next :meth:`save_checkpoint` answers the pending requests. Never blocks, unless
         ``collective``.
 
+        The job's ``checkpoint_every`` (``SPIKEGUARD_CKPT_EVERY``), when it sets one, overrides
+        ``every`` (a warning says so once when they differ), as the other ``SPIKEGUARD_*``
+        variables override ``attach()``'s arguments; a script that never calls this method
+        while the job sets an interval is warned once, after that many steps.
+
         ``collective=True`` (for sharded saves, where every rank must save at the same step):
         the ranks agree on the supervisor's requests, so every rank gets the same answer at the
         same step even though a request reaches the ranks at different times. It costs one
@@ -297,7 +300,7 @@ class Session:
             requested = self._requests.claim()
         if requested:
             return True
-        return _due(self._sampler.next_step - 1 if step is None else int(step), every)
+        return self._cadence.due(self._sampler.next_step - 1 if step is None else int(step), every)
 
     def should_skip(self, step: int, batch_ids: Any = None) -> bool:
         """True when the supervisor asked to skip this batch (an incident's data).

@@ -72,7 +72,11 @@ ENV_BACKEND = "SPIKEGUARD_BACKEND"
 ``auto`` resolved by whether it reserves GPUs)."""
 
 ENV_CKPT_EVERY = "SPIKEGUARD_CKPT_EVERY"
-"""The job's checkpoint interval hint (steps), for scripts that read it."""
+"""The job's ``checkpoint_every`` (steps), set only when the job sets it. It overrides the
+script's own interval, as the other variables override ``attach()``'s arguments:
+``Session.should_checkpoint(step, every=...)`` uses it instead of ``every``, the Lightning
+callback instead of its ``checkpoint_every``, and the Hugging Face callback makes it the
+Trainer's ``save_steps`` (with a warning, each, when the script's interval differs)."""
 
 ENV_FENCE_FILE = "SPIKEGUARD_FENCE_FILE"
 """Path of a small file holding the current generation. A rank whose own generation is older

@@ -10,12 +10,25 @@ Two lines in a Trainer script::
 
 What the callback does, on every rank:
 
-* **Reports every step** (``on_step_end``): this rank's loss (the mean of the ``loss`` its model
-  returned over the step's micro-batches, read by a forward hook), the learning rate the optimizer
-  stepped with (times the plan's LR scale), and the gradient norm on the Trainer's logging steps
-  (from its logs: the Trainer computes it but hands it to no callback otherwise). The probes sample
-  every ``sample_every`` steps (the Hugging Face attention capture included: true entropies on
-  RoPE / QK-norm models). Steps are the Trainer's ``global_step`` (the first is 1).
+* **Reports every step** (``on_step_end``): this rank's loss as the Trainer counts it for its own
+  log (the sum of what ``training_step`` returned over the step's micro-batches: the model's loss
+  after the Trainer's scaling for ``average_tokens_across_devices``, gradient accumulation and
+  ``num_items_in_batch``, whatever those settings are), so the mean over the ranks, which the
+  supervisor shows, is the ``loss`` the Trainer logs at ``logging_steps=1``; the learning rate the
+  optimizer stepped with (times the plan's LR scale), and the gradient norm on the Trainer's
+  logging steps (from its logs: the Trainer computes it but hands it to no callback otherwise).
+  A non-finite loss is reported as it is (the Trainer's log replaces it with the running mean,
+  ``logging_nan_inf_filter``). The probes sample every ``sample_every`` steps (the Hugging Face
+  attention capture included: true entropies on RoPE / QK-norm models). Steps are the Trainer's
+  ``global_step`` (the first is 1).
+* **The Trainer logs the applied LR**: its ``learning_rate`` (read from the scheduler, which never
+  sees the plan's scale) is multiplied by the multiplier the step used, so the Trainer's own logs
+  (the console, ``log_history``, every ``report_to`` integration) show an LR cut. The callback
+  finds its Trainer when the Trainer is created (``on_init_end``, called from its
+  ``__init__``) and wraps that instance's ``training_step`` and ``_get_learning_rate``.
+* **The job's ``checkpoint_every``** (``SPIKEGUARD_CKPT_EVERY``), when the job sets it, becomes
+  the Trainer's ``save_steps`` (``save_strategy="steps"``), with a warning when the script had
+  another interval: checkpoints are the Trainer's, so its interval is the one to set.
 * **Grades the Trainer's own checkpoints**: after the Trainer saved ``checkpoint-N`` (``on_save``),
   the ranks gather their grades and rank 0 commits the directory with spikeguard's commit marker
   (:mod:`spikeguard.workers.checkpoint.trainer_commit`: every file's sha256, the worst rank's
@@ -40,6 +53,9 @@ Trainer's rotation may delete a rollback target: use the job's ``checkpoints:`` 
 
 from __future__ import annotations
 
+import enum
+import functools
+import inspect
 import os
 from typing import Any
 
@@ -49,7 +65,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from ..checkpoint import commit as _commit
 from ..checkpoint import trainer_commit
 from ..checkpoint.format import CheckpointError
-from ..contract.env import ENV_CKPT_DIR
+from ..contract.env import ENV_CKPT_DIR, ENV_CKPT_EVERY
 from ..contract.logs import logger
 from ..session import Session, StaleGenerationError, attach
 
@@ -58,10 +74,58 @@ __all__ = ["SpikeguardCallback"]
 log = logger(__name__)
 
 
+_TRAINER_GET_LR = "_get_learning_rate"
+"""The Trainer's method that reads the LR it logs (``lr_scheduler.get_last_lr()``, or the param
+groups for ``ReduceLROnPlateau``), in transformers 4.x and 5.x: transformers' own internals,
+which the callback wraps on its Trainer instance (it has no public hook for the logged LR)."""
+
+
 def _inner(optimizer: Any) -> torch.optim.Optimizer | None:
     """The torch optimizer under accelerate's wrapper (or the optimizer itself)."""
     inner = getattr(optimizer, "optimizer", optimizer)
     return inner if isinstance(inner, torch.optim.Optimizer) else None
+
+
+def _calling_trainer(callback: TrainerCallback) -> Any:
+    """The ``transformers.Trainer`` whose ``__init__`` is calling ``callback.on_init_end``:
+    the frame up the stack whose ``self`` is a Trainer holding ``callback`` (the Trainer hands
+    callbacks its model, optimizer and scheduler, never itself). None when there is none."""
+    from transformers import Trainer
+
+    frame = inspect.currentframe()
+    try:
+        for _ in range(32):
+            if frame is None:
+                return None
+            candidate = frame.f_locals.get("self")
+            handler = getattr(candidate, "callback_handler", None)
+            if isinstance(candidate, Trainer) and any(
+                cb is callback for cb in getattr(handler, "callbacks", ())
+            ):
+                return candidate
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def _save_every(args: TrainingArguments, every: int | None) -> None:
+    """The job's ``checkpoint_every`` as the Trainer's save interval (the Trainer writes the
+    checkpoints, at ``save_steps`` when ``save_strategy`` is ``"steps"``); a warning when that
+    replaces the script's own. Nothing when the job sets none."""
+    if every is None:
+        return
+    strategy = args.save_strategy
+    name = getattr(strategy, "value", strategy)
+    if name == "steps" and args.save_steps == every:
+        return
+    was = f"save_steps={args.save_steps}" if name == "steps" else f"save_strategy={name!r}"
+    log.warning(
+        f"the job's checkpoint_every={every} ({ENV_CKPT_EVERY}) replaces the Trainer's {was}: "
+        f"save_strategy='steps', save_steps={every}"
+    )
+    args.save_strategy = type(strategy)("steps") if isinstance(strategy, enum.Enum) else "steps"
+    args.save_steps = every
 
 
 class SpikeguardCallback(TrainerCallback):
@@ -92,10 +156,9 @@ class SpikeguardCallback(TrainerCallback):
         """The rank's :class:`Session`, created when the Trainer is (``on_init_end``)."""
         self._resume_dir: str | None = None
         self._loss_sum: torch.Tensor | None = None
-        self._loss_n = 0
+        """What ``training_step`` returned in this step so far, added up (None: nothing yet)."""
         self._lr: float | None = None
         self._pending: dict[str, Any] | None = None
-        self._hook: Any = None
 
     # -- the user's one call -----------------------------------------------------------------
     def resume_from_checkpoint(self) -> str | None:
@@ -138,19 +201,48 @@ class SpikeguardCallback(TrainerCallback):
             # the supervisor scans the run's checkpoint directory for checkpoint-N
             args.output_dir = ckpt_dir
         self.session = attach(model, ckpt_dir=args.output_dir, **self._attach_kwargs)
-        self._hook = model.register_forward_hook(self._on_forward)
-
-    def _on_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        """Add up the loss the model returns in training (one tensor op; no sync)."""
-        if not module.training:
+        _save_every(args, self.session.config.checkpoint_every)
+        trainer = _calling_trainer(self)
+        if trainer is None:
+            log.warning(
+                "SpikeguardCallback: no transformers.Trainer is creating this callback: the "
+                "loss is not reported and the Trainer's logged LR is the schedule's"
+            )
             return
-        loss = getattr(output, "loss", None)
-        if loss is None and isinstance(output, dict):
-            loss = output.get("loss")
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            d = loss.detach().float()
-            self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
-            self._loss_n += 1
+        self._wrap(trainer)
+
+    def _wrap(self, trainer: Any) -> None:
+        """Wrap ``trainer``'s ``training_step`` (its return value, the loss the Trainer adds up
+        for its log, is this rank's report) and ``_get_learning_rate`` (what the Trainer logs as
+        ``learning_rate``: times the multiplier the step used). Instance attributes: the class,
+        and every other Trainer, are untouched."""
+        training_step = trainer.training_step
+
+        @functools.wraps(training_step)
+        def counted_training_step(*args: Any, **kwargs: Any) -> Any:
+            loss = training_step(*args, **kwargs)
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                d = loss.detach().float()  # one tensor op; no device sync
+                self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
+            return loss
+
+        trainer.training_step = counted_training_step
+        get_lr = getattr(trainer, _TRAINER_GET_LR, None)
+        if get_lr is None:
+            log.warning(
+                f"SpikeguardCallback: this transformers Trainer has no {_TRAINER_GET_LR}: "
+                "its logged learning_rate is the schedule's, without the plan's LR scale"
+            )
+            return
+
+        @functools.wraps(get_lr)
+        def applied_learning_rate(*args: Any, **kwargs: Any) -> Any:
+            lr = get_lr(*args, **kwargs)
+            if self.session is None or not isinstance(lr, (int, float)):
+                return lr
+            return lr * self.session.framework.lr_multiplier()
+
+        setattr(trainer, _TRAINER_GET_LR, applied_learning_rate)
 
     def on_train_begin(
         self,
@@ -188,10 +280,8 @@ class SpikeguardCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         sg = self._sg()
-        loss = None
-        if self._loss_sum is not None and self._loss_n:
-            loss = float(self._loss_sum) / self._loss_n
-        self._loss_sum, self._loss_n = None, 0
+        loss = None if self._loss_sum is None else float(self._loss_sum)
+        self._loss_sum = None
         self._pending = {
             "step": state.global_step,
             "loss": loss,
@@ -269,9 +359,6 @@ class SpikeguardCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._flush()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
         if self.session is not None:
             self.session.close()
             self.session = None

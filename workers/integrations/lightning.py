@@ -23,11 +23,18 @@ What the callback does, per hook:
   (before clipping, over every optimizer's parameters) and the LR the step used (the first param
   group's, times the LR scale); the probes
   sample every ``sample_every`` steps (never during validation or the sanity check).
-* checkpoints: every ``checkpoint_every`` steps and whenever the supervisor asks, decided by all
-  ranks together (one all-reduce of one integer per step), ``trainer.save_checkpoint`` writes a
-  Lightning checkpoint into the run's checkpoint directory under spikeguard's name, graded with
-  the latest sample. Only global rank 0 writes (Lightning's rule); a rank of a replaced
-  generation cannot publish.
+* the LR Lightning logs is the applied one: from each batch's start until its optimizer step,
+  the param groups hold the LR that step uses (the plan's scale applied), so the
+  ``LearningRateMonitor`` and a module's own ``self.log`` of ``param_groups[0]["lr"]`` show the
+  cut; the step's hooks put the schedule's value back after the step, before the scheduler steps
+  (and ``on_before_optimizer_step`` does, for a step the AMP grad scaler skips). The callback
+  moves itself first in ``trainer.callbacks`` so its batch start comes before any monitor's.
+* checkpoints: every ``checkpoint_every`` steps (the job's ``checkpoint_every`` overrides the
+  argument, as ``SPIKEGUARD_*`` variables override the SDK's arguments) and whenever the
+  supervisor asks, decided by all ranks together (one all-reduce of one integer per step),
+  ``trainer.save_checkpoint`` writes a Lightning checkpoint into the run's checkpoint directory
+  under spikeguard's name, graded with the latest sample. Only global rank 0 writes (Lightning's
+  rule); a rank of a replaced generation cannot publish.
 
 Steps are counted as spikeguard counts them: the step a report or checkpoint is of is
 ``trainer.global_step - 1`` after the optimizer step (the first optimizer step is step 0), and a
@@ -86,7 +93,8 @@ class SpikeguardCallback(pl.Callback):
     Args:
         sample_every: probe activations every N steps (``SPIKEGUARD_SAMPLE_EVERY`` overrides).
         checkpoint_every: save a checkpoint every N steps (0: only when the supervisor asks);
-            default ``SPIKEGUARD_CKPT_EVERY`` (the job's ``checkpoint_every``), else 500.
+            default 500. The job's ``checkpoint_every`` (``SPIKEGUARD_CKPT_EVERY``) overrides
+            it (with a warning when they differ).
         ckpt_dir: where checkpoints go without a supervisor (``SPIKEGUARD_CKPT_DIR`` overrides);
             with neither, no checkpoints are saved.
         report: where reports go without a supervisor (``"off"`` or ``"jsonl:///path"``;
@@ -167,6 +175,11 @@ class SpikeguardCallback(pl.Callback):
         os.environ.setdefault("RANK", str(trainer.global_rank))
         os.environ.setdefault("WORLD_SIZE", str(trainer.world_size))
         session = self._session or self._attach(pl_module)
+        # first among the callbacks: its batch start puts the applied LR into the param groups
+        # before a LearningRateMonitor (or any other callback) reads them
+        if trainer.callbacks and trainer.callbacks[0] is not self and self in trainer.callbacks:
+            trainer.callbacks.remove(self)
+            trainer.callbacks.insert(0, self)
         strategy = trainer.strategy
         current = strategy.checkpoint_io
         if isinstance(current, SpikeguardCheckpointIO):
@@ -197,21 +210,36 @@ class SpikeguardCallback(pl.Callback):
         self._reported = trainer.global_step - 1
 
     # -- every step ----------------------------------------------------------------------------
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The applied LR in the param groups for an epoch-interval ``LearningRateMonitor``."""
+        self._show_lr(trainer)
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Note the LR this step will use (Lightning steps the schedulers before
-        ``on_train_batch_end``); optimizers (re)created since get the LR scale too."""
+        ``on_train_batch_end``); optimizers (re)created since get the LR scale too; then put the
+        applied LR into the param groups until the step (what Lightning's LR logging reads)."""
+        self._show_lr(trainer)
+
+    def _show_lr(self, trainer: pl.Trainer) -> None:
+        api = self.session.framework
         optimizers = trainer.optimizers
         for optimizer in optimizers:
-            self.session.framework.scale_lr(optimizer)
+            api.scale_lr(optimizer)
+            api.hide_lr(optimizer)  # the schedule's LR to note (shown already, accumulating)
         self._lr = float(optimizers[0].param_groups[0]["lr"]) if optimizers else None
+        for optimizer in optimizers:
+            api.show_lr(optimizer)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         """Add this optimizer's gradients to the step's norm (after accumulation and unscaling,
-        before clipping)."""
+        before clipping); the schedule's LR back in its param groups (the step's own hooks
+        apply the scale; a step the AMP grad scaler skips must leave the schedule's value for
+        the scheduler)."""
+        self.session.framework.hide_lr(optimizer)
         sq = _grad_sq_sum(optimizer)
         if sq is not None:
             self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq.to(self._grad_sq)
@@ -225,6 +253,8 @@ class SpikeguardCallback(pl.Callback):
         batch_idx: int,
     ) -> None:
         """Report the step that just finished; checkpoint when all ranks agree it is due."""
+        for optimizer in trainer.optimizers:  # a batch that only accumulated: nothing scaled
+            self.session.framework.hide_lr(optimizer)  # stays in what a checkpoint saves
         step = trainer.global_step - 1
         if step < 0 or step == self._reported:
             return  # accumulating: no optimizer step yet

@@ -8,6 +8,8 @@ Each part is a module with one job, and a part uses another only through its pub
                        batch-ids ring, and the fence that refuses a replaced generation's writes
 * :mod:`.sampling`     the probes, armed on sampled steps only, and the latest sample's grade
 * :mod:`.checkpoints`  the two save paths (replicated, DCP-sharded) and the ranks' collectives
+* :mod:`.cadence`      the checkpoint interval in force (the job's ``checkpoint_every`` over the
+                       script's)
 * :mod:`.resume`       the launch's plan (a standby waits for it), applying it, batch skipping,
                        and the LR scale as optimizer step hooks
 * :mod:`.framework`    what a framework integration (Hugging Face, Lightning) calls

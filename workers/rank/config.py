@@ -32,6 +32,10 @@ class RankConfig:
     sample_every: int = 200
     """Probe activations every N steps (``SPIKEGUARD_SAMPLE_EVERY``, else ``sample_every=``);
     at least 1."""
+    checkpoint_every: int | None = None
+    """The job's checkpoint interval (``SPIKEGUARD_CKPT_EVERY``, the job's ``checkpoint_every``),
+    in steps: it overrides the script's own (``should_checkpoint(every=...)``, the Lightning
+    callback's ``checkpoint_every``, the Trainer's ``save_steps``). None: the script's."""
     ckpt_dir: str | None = None
     """Where checkpoints are written (``SPIKEGUARD_CKPT_DIR``, else ``ckpt_dir=``); None: no
     checkpoints can be saved."""
@@ -52,6 +56,8 @@ class RankConfig:
     def __post_init__(self) -> None:
         if self.sample_every < 1:
             raise ValueError(f"sample_every must be >= 1, got {self.sample_every}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(f"{contract.ENV_CKPT_EVERY} must be >= 1, got {self.checkpoint_every}")
 
     @property
     def standby(self) -> bool:
@@ -73,12 +79,14 @@ class RankConfig:
         environment variable that overrides it is set. Raises ``ValueError`` for a variable
         that is not a number where one is expected, or a ``sample_every`` below 1."""
         agent = os.environ.get(contract.ENV_STANDBY, "")
+        every = contract.env_int(contract.ENV_CKPT_EVERY, 0)
         return cls(
             rank=int(os.environ.get("RANK", "0")),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
             generation=contract.env_int(contract.ENV_GENERATION, 0),
             run_id=os.environ.get(contract.ENV_RUN_ID) or run_id or "local",
             sample_every=contract.env_int(contract.ENV_SAMPLE_EVERY, sample_every),
+            checkpoint_every=every if os.environ.get(contract.ENV_CKPT_EVERY) else None,
             ckpt_dir=os.environ.get(contract.ENV_CKPT_DIR) or ckpt_dir,
             report=os.environ.get(contract.ENV_REPORT) or report,
             fence_file=os.environ.get(contract.ENV_FENCE_FILE),

@@ -99,6 +99,26 @@ class FrameworkApi:
         survives any LR schedule). Once per optimizer; nothing at scale 1."""
         self._lr.apply(optimizer)
 
+    def show_lr(self, optimizer: torch.optim.Optimizer) -> None:
+        """Until ``optimizer``'s next step (or :meth:`hide_lr`), its param groups hold the LR
+        that step will use, the plan's scale applied, so a framework's own LR logging (which
+        reads them between steps) shows the applied LR; the step's hooks take it from there and
+        put the schedule's value back after the step, before any scheduler reads it. Nothing at
+        scale 1."""
+        self._lr.show(optimizer)
+
+    def hide_lr(self, optimizer: torch.optim.Optimizer) -> None:
+        """Undo :meth:`show_lr` (the schedule's values back) when the step it was for may not
+        come (a step the AMP grad scaler skips), so that a scheduler never reads the scaled
+        value."""
+        self._lr.hide(optimizer)
+
+    def lr_multiplier(self) -> float:
+        """The multiplier the latest optimizer step used (before any: the next one's): the
+        plan's scale, its re-warm-up, a cut being given back. A framework whose logs read the
+        LR from its scheduler multiplies that by this."""
+        return self._lr.in_force
+
     # -- a framework's own checkpoints -------------------------------------------------------
     def check_fence(self) -> None:
         """Raise :class:`~spikeguard.workers.session.StaleGenerationError` if this rank's

@@ -98,8 +98,10 @@ class LrScale:
         """The training step the next optimizer step belongs to."""
         self._used: float | None = None
         """The multiplier the latest optimizer step used (None: no step yet)."""
-        self._scaled: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        """Optimizers whose steps carry the hooks."""
+        self._scaled: weakref.WeakKeyDictionary[torch.optim.Optimizer, _ScaledSteps] = (
+            weakref.WeakKeyDictionary()
+        )
+        """Optimizers whose steps carry the hooks, each with its hooks' state."""
         self._handles: list[Any] = []
 
     def configure(self, plan: contract.ResumePlan, start: int) -> None:
@@ -122,6 +124,12 @@ class LrScale:
         restoring = self._plan.lr_restore_from is not None
         return ramp * (self._plan.scale_at(self._next_step) if restoring else self.value)
 
+    def stepping(self, optimizer_steps: int) -> float:
+        """An optimizer step after ``optimizer_steps`` of them begins: its multiplier (now the
+        one :attr:`in_force`)."""
+        self._used = self.multiplier(optimizer_steps)
+        return self._used
+
     @property
     def in_force(self) -> float:
         """The multiplier the latest optimizer step used (before any: the next one's): what
@@ -140,31 +148,88 @@ class LrScale:
         Each optimizer counts its own steps for the re-warm-up."""
         if self.idle or optimizer in self._scaled:
             return
-        self._scaled.add(optimizer)
-        saved: list[Any] = []
-        taken = [0]
-
-        def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            factor = self._used = self.multiplier(taken[0])
-            saved[:] = [g["lr"] for g in opt.param_groups]
-            for g in opt.param_groups:
-                g["lr"] = g["lr"] * factor
-
-        def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            for g, lr in zip(opt.param_groups, saved):
-                g["lr"] = lr
-            taken[0] += 1
-            self.optimizer_steps = max(self.optimizer_steps, taken[0])
-
+        scaled = _ScaledSteps(self)
+        self._scaled[optimizer] = scaled
         self._handles += [
-            optimizer.register_step_pre_hook(pre),
-            optimizer.register_step_post_hook(post),
+            optimizer.register_step_pre_hook(scaled.pre),
+            optimizer.register_step_post_hook(scaled.post),
         ]
+
+    def show(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put the LR the next step of ``optimizer`` will use into its param groups now, before
+        that step, so that whatever reads them in between (Lightning's ``LearningRateMonitor``,
+        a module's own ``self.log``) sees the applied LR, not the schedule's. :meth:`hide` (or
+        the step's own hooks) puts the schedule's value back before any scheduler reads it.
+        Nothing for an optimizer without the scale's hooks."""
+        scaled = self._scaled.get(optimizer)
+        if scaled is not None:
+            scaled.show(optimizer)
+
+    def hide(self, optimizer: torch.optim.Optimizer) -> None:
+        """Undo :meth:`show`: the schedule's values back in the param groups (a group whose
+        ``lr`` was set anew since, by a schedule of the script's own, keeps that value)."""
+        scaled = self._scaled.get(optimizer)
+        if scaled is not None:
+            scaled.hide(optimizer)
 
     def remove(self) -> None:
         """Remove every hook installed."""
         for h in self._handles:
             h.remove()
+
+
+class _ScaledSteps:
+    """The step hooks of one optimizer scaled by an :class:`LrScale`, and their state: the
+    schedule's LRs while a step (or a :meth:`show`) runs at the scaled ones, and the optimizer
+    steps taken (for the re-warm-up). Holds no reference to the optimizer."""
+
+    def __init__(self, scale: LrScale) -> None:
+        self._scale = scale
+        self.taken = 0
+        """Optimizer steps this optimizer took with the hooks."""
+        self._saved: list[Any] = []
+        """The schedule's LR of each group during a step (restored after it)."""
+        self._shown: tuple[list[Any], list[Any]] | None = None
+        """While :meth:`show` is in force: (the schedule's LRs, the scaled values put in)."""
+
+    def _schedule(self, opt: torch.optim.Optimizer) -> list[Any]:
+        """The schedule's LR of each group now: a group still holding the value :meth:`show`
+        put in has the one it replaced; one set anew since (a schedule of the script's own)
+        has that new value."""
+        groups = [g["lr"] for g in opt.param_groups]
+        if self._shown is None:
+            return groups
+        saved, put = self._shown
+        return [s if lr is p else lr for lr, s, p in zip(groups, saved, put)] + groups[len(put) :]
+
+    def show(self, opt: torch.optim.Optimizer) -> None:
+        if self._shown is not None:
+            return
+        factor = self._scale.multiplier(self.taken)
+        schedule = [g["lr"] for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["lr"] = g["lr"] * factor
+        self._shown = (schedule, [g["lr"] for g in opt.param_groups])
+
+    def hide(self, opt: torch.optim.Optimizer) -> None:
+        if self._shown is None:
+            return
+        for g, lr in zip(opt.param_groups, self._schedule(opt)):
+            g["lr"] = lr
+        self._shown = None
+
+    def pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        factor = self._scale.stepping(self.taken)
+        self._saved = self._schedule(opt)
+        self._shown = None
+        for g, lr in zip(opt.param_groups, self._saved):
+            g["lr"] = lr * factor
+
+    def post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for g, lr in zip(opt.param_groups, self._saved):
+            g["lr"] = lr
+        self.taken += 1
+        self._scale.optimizer_steps = max(self._scale.optimizer_steps, self.taken)
 
 
 class BatchSkips:
