@@ -28,6 +28,7 @@ import signal
 import sys
 import tempfile
 import time
+import types
 from typing import Any
 
 from common import interleaved, percentile, table
@@ -37,7 +38,7 @@ POLL_S = 0.25
 """The controller's default poll interval."""
 
 
-def reader_main(path: str, conn: Any) -> None:
+def reader_main(path: str, conn: Any, rank_pid: int) -> None:
     """The supervisor side: the real agent report socket at ``path``, polled every 250 ms.
 
     Answers ``"stats"`` on ``conn`` with the lines received so far and the largest ``dropped``
@@ -50,6 +51,10 @@ def reader_main(path: str, conn: Any) -> None:
     # the agent's handling of one rank process: its report socket, reader threads and buffer
     # (RankAgent.start would also spawn the process; here the rank is this bench's main process)
     agent = _Process(rank=0, generation=0, sock=path)
+    # the agent accepts reports only from the process it started (SO_PEERCRED: that pid, or its
+    # session): here that process is the bench's main one
+    agent.proc = types.SimpleNamespace(pid=rank_pid)
+    agent.started.set()
     agent.serve()
     lines = 0
     dropped = 0
@@ -76,7 +81,7 @@ def run_phase(variant: str, args: argparse.Namespace, model: Any, x: Any) -> dic
     sockdir = tempfile.mkdtemp(prefix="sg-lat-")
     path = os.path.join(sockdir, "rank0.sock")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=reader_main, args=(path, child), daemon=True)
+    proc = ctx.Process(target=reader_main, args=(path, child, os.getpid()), daemon=True)
     proc.start()
     if not parent.poll(60) or parent.recv() != "ready":
         raise RuntimeError("the reader process did not start")

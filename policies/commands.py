@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from spikeguard.workers.contract.exitcodes import ExitCode
+from spikeguard.workers.contract.messages import loads_text
 
 from . import calibrate
 from .engine import Decision, replay
@@ -215,7 +216,7 @@ class _Source:
                 if not line.strip():
                     continue
                 try:
-                    msg = json.loads(line)
+                    msg = loads_text(line)
                 except ValueError:
                     self.bad_lines.append(f"{path}:{n}")
                     continue

@@ -230,7 +230,7 @@ class Controller:
             self._apply(rc.Preempt(self._preempt_reason))
         if self.state.phase in (*rc.ACTIVE, rc.Phase.PREEMPTING):
             self._read(now)
-        if self.state.phase is rc.Phase.PREEMPTING and self.collector.all_finished():
+        if self.state.phase is rc.Phase.PREEMPTING and self.collector.all_done():
             # finished instead of saving (their last step was behind them): completed wins
             self._apply(rc.Finished(self.collector.final_loss()))
         awaited = self.effects.awaited

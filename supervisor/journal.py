@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from spikeguard.workers.contract.logs import logger
+from spikeguard.workers.contract.messages import loads_text
 from spikeguard.workers.contract.secret_scan import redact
 
 from . import rundir
@@ -224,7 +225,7 @@ def read_journal(path: str | os.PathLike[str]) -> JournalRead:
         if not raw.strip():
             continue
         try:
-            ev = json.loads(raw)
+            ev = loads_text(raw)
         except ValueError:
             last = n == len(raw_lines)
             what = "cut short (a write that did not finish): ignored" if last and torn else None

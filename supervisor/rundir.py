@@ -68,11 +68,19 @@ def private_dir(path: Path) -> Path:
 
     A directory that is already there keeps its mode: ``--run-dir`` may name one the user owns
     or shares (a 1777 scratch directory), and only what spikeguard creates is spikeguard's to
-    change. What it writes inside is private anyway (every file 0600)."""
+    change. What it writes inside is private anyway (every file 0600).
+
+    An existing one must be this user's (a symlink: the link and the directory it names): one
+    another user made is :class:`UnsafePath` (in a shared 1777 directory anyone may create
+    ``RUN_DIR/plans`` before the run does, and then swap its plans)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
+        for st in (os.lstat(path), os.stat(path)):  # a link of ours to a directory of ours
+            if st.st_uid != os.geteuid():
+                what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory"
+                raise _refuse(path, f"{what} of another user (uid {st.st_uid})") from None
         if not path.is_dir():
             raise
         return path
@@ -93,6 +101,9 @@ def _open_private(path: Path, flags: int) -> int:
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise _refuse(path, "not a regular file")
+    if st.st_uid != os.geteuid():  # planted beforehand in a directory others can write
+        os.close(fd)
+        raise _refuse(path, f"a file of another user (uid {st.st_uid})")
     if stat.S_IMODE(st.st_mode) != 0o600:
         os.fchmod(fd, 0o600)
     return fd

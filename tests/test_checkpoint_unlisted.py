@@ -213,3 +213,23 @@ def test_a_rank_with_nothing_to_write_leaves_no_unlisted_shard(tmp_path: Path) -
     (info,) = ckpt.list_checkpoints(tmp_path / "ck")
     assert info.world_size == 2
     ckpt.verify(info)
+
+
+def test_an_empty_dcp_bucket_of_an_older_save_is_allowed_and_anything_else_is_not(
+    tmp_path: Path,
+) -> None:
+    """DCP creates an empty ``__R_K.distcp`` for a rank it gave nothing to write; saves before
+    spikeguard dropped them hold one unlisted. Such a directory still verifies (DCP never reads
+    an unreferenced file), so an upgrade keeps the run's older checkpoints; the same name with
+    content, or in a Trainer's directory, is refused."""
+    info = _sharded_checkpoint(tmp_path / "ck", 5)
+    bucket = Path(info.path) / "__1_0.distcp"
+    bucket.write_bytes(b"")
+    ckpt.verify(info)
+    bucket.write_bytes(b"planted")
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"__1_0\.distcp which its commit"):
+        ckpt.verify(info)
+    hf = _trainer_checkpoint(tmp_path / "hf", 10)
+    (Path(hf.path) / "__1_0.distcp").write_bytes(b"")
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"__1_0\.distcp which its commit"):
+        ckpt.verify(hf)

@@ -143,3 +143,52 @@ def test_the_reported_loss_is_the_loss_the_trainer_logs(trained: Path, case: str
 if __name__ == "__main__":
     out, n = sys.argv[1:3]
     sys.exit(_rank_main(Path(out), int(n)))
+
+
+def test_a_second_trainer_given_the_same_callback_reports_its_loss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notebook re-creates its Trainer with the callback it already made: the Trainer that
+    trains is wrapped too (its loss reported, as the Trainer logs it)."""
+    import argparse
+
+    import torch
+    from conftest import read_jsonl
+    from spikeguard.examples.hf_llama_diverge import build_model
+    from spikeguard.workers.integrations.hf import SpikeguardCallback
+    from transformers import PrinterCallback, Trainer, TrainingArguments
+
+    for name in [n for n in os.environ if n.startswith("SPIKEGUARD_")]:
+        monkeypatch.delenv(name)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    seq = 16
+    model = build_model(argparse.Namespace(seq=seq, layers=1, seed=0))
+    data = [
+        {"input_ids": (ids := torch.randint(0, 256, (seq,))), "labels": ids.clone()}
+        for _ in range(32)
+    ]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        log_level="warning",
+    )
+    sg = SpikeguardCallback(sample_every=1000, report=f"jsonl://{tmp_path / 'reports.jsonl'}")
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[sg])  # made, never trained
+    second = Trainer(model=model, args=args, train_dataset=data, callbacks=[sg])
+    second.remove_callback(PrinterCallback)
+    second.train()
+    losses = {
+        m["step"]: m["loss"]
+        for m in read_jsonl(tmp_path / "reports.jsonl")
+        if m["type"] in ("heartbeat", "report")
+    }
+    logged = {e["step"]: e["loss"] for e in second.state.log_history if "loss" in e}
+    assert sorted(losses) == [1, 2, 3] and all(v is not None for v in losses.values()), losses
+    assert losses[3] == pytest.approx(logged[3], rel=1e-5)

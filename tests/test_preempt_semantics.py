@@ -122,15 +122,16 @@ def test_an_older_journals_grace_expiry_still_restarts_the_same_way():
 
 
 # ---- the controller, with a scripted group (no Ray) --------------------------------------------
-def _line(gen: int, rank: int, step: int) -> bytes:
-    msg = {"v": 1, "type": "heartbeat", "run": "t", "gen": gen, "rank": rank, "step": step}
+def _line(gen: int, rank: int, step: int, kind: str = "heartbeat") -> bytes:
+    msg = {"v": 1, "type": kind, "run": "t", "gen": gen, "rank": rank, "step": step}
     return json.dumps({**msg, "t": 0.0, "loss": 2.0}).encode()
 
 
 class ScriptedGroup:
     """Two ranks that report steps 0-4, then (after the preemption) ``then``: ``"finish"`` (both
-    exit 0), ``"gone"`` (both had exited 0 before the SIGTERM: nobody gets the request) or
-    ``"hold"`` (they never answer)."""
+    say ``done`` and exit 0), ``"gone"`` (both had finished before the SIGTERM: nobody gets the
+    request), ``"exit"`` (both exit 0 without ``done``: their own SIGTERM handler, not the end of
+    training) or ``"hold"`` (they never answer)."""
 
     def __init__(self, then: str) -> None:
         self.then = then
@@ -153,8 +154,13 @@ class ScriptedGroup:
                 RankPoll(rank=r, generation=g, lines=tuple(_line(g, r, s) for s in range(5)))
                 for r in range(2)
             ]
-        if self.then in ("finish", "gone") and "request" in self.calls:
-            return [RankPoll(rank=r, generation=g, exit_code=0) for r in range(2)]
+        if self.then in ("finish", "gone", "exit") and "request" in self.calls:
+            done = () if self.then == "exit" else (_line(g, r, 5, "done") for r in range(2))
+            lines = list(done)
+            return [
+                RankPoll(rank=r, generation=g, lines=tuple(lines[r : r + 1]), exit_code=0)
+                for r in range(2)
+            ]
         return []
 
     def request(self, payload: dict[str, Any], timeout_s: float = 5.0) -> int:
@@ -198,6 +204,19 @@ def test_ranks_that_finish_while_preempted_complete_the_run_not_preempt_it(tmp_p
     assert ctl.state.phase is rc.Phase.COMPLETED and ctl.state.exit_code == 0, kinds
     assert kinds[-1] == "completed" and "preempted" not in kinds
     assert "kill" not in group.calls
+
+
+def test_ranks_that_exit_0_without_finishing_while_preempted_do_not_complete_the_run(tmp_path):
+    """A script whose own SIGTERM handler saves and exits 0 (Slurm signals the whole step) has
+    not finished training: the run is preempted (resumable), never completed."""
+    group = ScriptedGroup("exit")
+    ctl = _controller(tmp_path, group)
+    ctl.step()
+    ctl.preempt("SIGTERM: the supervisor must go")
+    _run_out(ctl)
+    kinds = [e["kind"] for e in events(tmp_path)]
+    assert ctl.state.phase is rc.Phase.PREEMPTED and ctl.state.exit_code == 143, kinds
+    assert "completed" not in kinds and kinds[-1] == "preempted"
 
 
 def _checkpoint(ckpt_dir: Path, step: int) -> Path:

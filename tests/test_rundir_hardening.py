@@ -91,6 +91,33 @@ def test_an_existing_run_directory_keeps_its_mode(tmp_path):
     assert mode(shared / "plans") == 0o700 and mode(shared / "logs") == 0o700  # created here
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's files needs root (chown)")
+def test_what_another_user_planted_in_a_shared_run_directory_is_refused(tmp_path):
+    """In a 1777 run directory anyone may create ``plans/`` or ``journal.jsonl`` before the run
+    does: the run refuses them instead of writing its plans where another user can swap them."""
+    run = tmp_path / "shared"
+    run.mkdir()
+    os.chmod(run, 0o1777)
+    other = 54321
+    (run / "plans").mkdir(mode=0o777)
+    os.chown(run / "plans", other, other)
+    with pytest.raises(rundir.UnsafePath, match="plans is a directory of another user"):
+        rundir.prepare(run)
+    os.rmdir(run / "plans")
+    (run / "logs").symlink_to(tmp_path)  # a link of another user to a directory of ours
+    os.lchown(run / "logs", other, other)
+    with pytest.raises(rundir.UnsafePath, match="logs is a symbolic link of another user"):
+        rundir.prepare(run)
+    (run / "logs").unlink()
+    (run / "journal.jsonl").write_text("")
+    os.chown(run / "journal.jsonl", other, other)
+    with pytest.raises(rundir.UnsafePath, match=r"journal\.jsonl is a file of another user"):
+        rundir.prepare(run)
+    os.unlink(run / "journal.jsonl")
+    rundir.prepare(run)  # only what the run created itself: accepted, the directory keeps 1777
+    assert mode(run) == 0o1777 and mode(run / "plans") == 0o700
+
+
 def test_a_run_directory_spikeguard_creates_is_private_whatever_the_umask(tmp_path):
     os.umask(0o277)  # would take the owner's write and search bits away
     try:

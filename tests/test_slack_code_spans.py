@@ -99,7 +99,7 @@ def test_a_rank_supplied_checkpoint_path_is_one_span():
     detail = rollback_detail(ev)
     assert detail == (
         f"checkpoint `ckpt/{SPAN_BACKTICK}x{SPAN_BACKTICK}/&lt;http://e.x&gt;`; "
-        f"passed over: `a{SPAN_BACKTICK}b` (graded S3 &lt; S5)"
+        f"passed over: `a{SPAN_BACKTICK}b` (`graded S3 &lt; S5`)"
     )
 
 

@@ -36,7 +36,7 @@ def test_a_rollback_reply_lists_five_passed_over_checkpoints_with_reasons():
     detail = msg.blocks[1]["elements"][0]["text"]
     assert detail.startswith("checkpoint `/run/ckpt-550.pt`; passed over: ")
     assert detail.count("`/run/ckpt-") == 6  # the chosen one and five passed over
-    assert "`/run/ckpt-900.pt` (step 900 &gt; 575 = before_step - min_steps_back 200)" in detail
+    assert "`/run/ckpt-900.pt` (`step 900 &gt; 575 = before_step - min_steps_back 200`)" in detail
     assert detail.endswith("and 2 more")
     assert msg.text == f"[inc-001] {describe(ev)}"  # the fallback: the concise line
 

@@ -140,3 +140,48 @@ def test_metrics_and_the_report_survive_a_lone_surrogate_in_a_layer_name(tmp_pat
     assert "blocks.1\ufffd".encode() in text
     out = write_report(run, tmp_path / "report.html")
     assert "blocks.1\ufffd" in out.read_text(encoding="utf-8")
+
+
+def test_files_recorded_before_the_repair_are_read_with_it(tmp_path: Path, capsys):
+    """A run recorded before ingest repaired lone surrogates holds them in ``reports.jsonl`` and
+    the journal as escapes: the report, ``events``, ``status`` and ``policy replay`` read them
+    repaired instead of failing to encode them."""
+    import gzip
+    import shutil
+
+    from spikeguard.supervisor.cli import main
+
+    demo = Path(__file__).parent / "data" / "demo_run"
+    run = tmp_path / "old"
+    shutil.copytree(demo, run)
+    reports = run / "reports.jsonl"
+    packed = run / "reports.jsonl.gz"
+    lines = gzip.decompress(packed.read_bytes()).decode().splitlines()
+    packed.unlink()
+    for i, line in enumerate(lines):
+        msg = json.loads(line)
+        if msg.get("type") == "report" and msg.get("layers"):
+            name = next(iter(msg["layers"]))
+            msg["layers"]["evil\ud800" + name] = msg["layers"][name]
+            lines[i] = json.dumps(msg)  # ensure_ascii: written as the escape "\ud800"
+            break
+    else:
+        raise AssertionError("the demo run has no report with layers")
+    reports.write_text("\n".join(lines) + "\n")
+    journal = run / "journal.jsonl"
+    events = journal.read_text().splitlines()
+    ev = json.loads(events[-1])
+    ev["reason"] = "stopped \ud800 here"
+    events[-1] = json.dumps(ev)
+    journal.write_text("\n".join(events) + "\n")
+    assert "\\ud800" in reports.read_text() and "\\ud800" in journal.read_text()
+
+    out = write_report(run, tmp_path / "report.html")
+    out.read_text(encoding="utf-8")  # written: encodable
+    for argv in (["events", str(run)], ["status", str(run)]):
+        assert main(argv) == 0, argv
+    printed = capsys.readouterr()
+    assert "\ud800" not in printed.out and "Traceback" not in printed.err
+    policy = demo / "policy.yaml"
+    assert main(["policy", "replay", str(policy), str(reports)]) in (0, 1)
+    assert "Traceback" not in capsys.readouterr().err

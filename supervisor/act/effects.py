@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from spikeguard.workers.checkpoint import choose
+from spikeguard.workers.contract.logs import logger
 
 from .. import rundir
 from ..decide import recovery as rc
@@ -27,6 +28,8 @@ from ..intake.tick import TickReader
 from ..launch.interface import Group, LaunchError
 from ..settings import ControllerSettings, RunPaths
 from .upkeep import reap
+
+log = logger(__name__)
 
 Event = Callable[[dict[str, Any]], None]
 
@@ -106,15 +109,18 @@ class Effects:
         )
         inc = self.state().incident
         doc = answers.document(incident_step=inc.step if inc is not None else None, waited_s=waited)
-        held = forensics.summary(doc)
-        if answers.ranks and held["batches"] == 0 and not held["truncated"]:
+        if answers.ranks and forensics.holds_no_ids(forensics.summary(doc)):
             return None  # the script passes no batch ids to sg.step(): nothing to file or say
         path = None
         if answers.ranks:
             path = forensics.batch_ids_path(self.paths.root, incident, attempt)
-            rundir.private_dir(path.parent.parent)
-            rundir.private_dir(path.parent)
-            rundir.write_atomic(path, json.dumps(doc, separators=(",", ":")), fsync=True)
+            try:
+                rundir.private_dir(path.parent.parent)
+                rundir.private_dir(path.parent)
+                rundir.write_atomic(path, json.dumps(doc, separators=(",", ":")), fsync=True)
+            except OSError as e:  # a full disk: the recovery goes on without its forensics
+                log.warning("batch ids not stored (%s): the rollback goes on without them", e)
+                path = None
         self.event(forensics.event(doc, path))
         return None if path is None else str(path)
 

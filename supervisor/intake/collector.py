@@ -348,6 +348,12 @@ class Collector:
         """Every rank of the current generation exited 0."""
         return bool(self.ranks) and all(v.exit_code == 0 for v in self.ranks.values())
 
+    def all_done(self) -> bool:
+        """Every rank of the current generation said ``done`` (its script closed the session at
+        the end of training) and exited 0: finished training, not merely exited (a rank's own
+        SIGTERM handler that saves and exits 0 is not done)."""
+        return self.all_finished() and all(v.done for v in self.ranks.values())
+
     def final_loss(self) -> float | None:
         """The mean of the ranks' last reported losses."""
         losses = [v.loss for v in self.ranks.values() if isinstance(v.loss, (int, float))]

@@ -95,6 +95,13 @@ def summary(doc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def holds_no_ids(summary_: dict[str, Any]) -> bool:
+    """Whether a document's :func:`summary` (or a ``forensics`` event) records no batch id at
+    all: the ranks answered, but the script passes none to ``sg.step()`` (the HF and Lightning
+    callbacks do not): nothing to file or say."""
+    return summary_.get("batches") == 0 and not summary_.get("truncated")
+
+
 def event(doc: dict[str, Any], path: Path | None) -> dict[str, Any]:
     """The ``forensics`` journal event for a document (``path`` None: nothing was written)."""
     s = summary(doc)

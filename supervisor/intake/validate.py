@@ -36,6 +36,8 @@ from spikeguard.workers.contract.messages import (
     MAX_LINE_BYTES,
     MAX_SAFE_INT,
     MESSAGE_TYPES,
+    may_hold_surrogate,
+    replace_surrogates,
     too_deep,
 )
 from spikeguard.workers.contract.signals import STEP_SIGNALS
@@ -81,39 +83,14 @@ def read(line: bytes | str) -> tuple[dict[str, Any], bool]:
             raise Rejected("malformed")
         if _nested(msg) and too_deep(msg, MAX_DEPTH):
             raise Rejected("malformed")
-        if ("\\u" in text or not text.isascii()) and _MAY_HOLD_SURROGATE.search(text):
+        if may_hold_surrogate(text):
             found: list[bool] = []
-            msg = _replace_surrogates(msg, found)
+            msg = replace_surrogates(msg, found)
             repaired = bool(found)
     why = problem(msg)
     if why is not None:
         raise Rejected(why)
     return msg, repaired
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-"""A surrogate code point: in a decoded string, always a lone one (json.loads joins a pair)."""
-_MAY_HOLD_SURROGATE = re.compile(r"\\u[dD][89abcdefABCDEF]|[\ud800-\udfff]")
-"""What a JSON text that decodes to a surrogate holds: an escape of one, or one itself (a text
-handed in as ``str``). It also matches what decodes to none (a pair, an escaped backslash)."""
-
-
-def _replace_surrogates(value: Any, found: list[bool]) -> Any:
-    """``value`` (decoded JSON, at most ``MAX_DEPTH`` deep) with every surrogate in its strings,
-    keys included, replaced by U+FFFD; appends to ``found`` when one was."""
-    t = type(value)
-    if t is str:
-        if _SURROGATE.search(value) is None:
-            return value
-        found.append(True)
-        return _SURROGATE.sub("\ufffd", value)
-    if t is dict:
-        return {
-            _replace_surrogates(k, found): _replace_surrogates(v, found) for k, v in value.items()
-        }
-    if t is list:
-        return [_replace_surrogates(v, found) for v in value]
-    return value
 
 
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")

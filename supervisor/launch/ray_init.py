@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
+import time
 from typing import Any
 
 from ..job import JobSpec
@@ -50,6 +51,8 @@ def init_ray(job: JobSpec) -> bool:
 
 GCS_PROBE_S = 2.0
 """How long :func:`ray_reachable` waits for the GCS to accept a connection."""
+GCS_PROBE_TRIES = 3
+"""Connections it tries before it calls the GCS gone (every rank on it would be marked lost)."""
 
 
 def ray_reachable(timeout_s: float = GCS_PROBE_S) -> bool:
@@ -70,8 +73,13 @@ def ray_reachable(timeout_s: float = GCS_PROBE_S) -> bool:
     except Exception:  # Ray's own state is gone with it
         return False
     host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return True
-    except (OSError, ValueError):
-        return False
+    for attempt in range(GCS_PROBE_TRIES):  # a failover blip is not a dead GCS
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return True
+        except ValueError:
+            return False
+        except OSError:
+            if attempt + 1 < GCS_PROBE_TRIES:
+                time.sleep(0.5)
+    return False

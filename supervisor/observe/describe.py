@@ -24,6 +24,7 @@ from typing import Any, Literal
 from spikeguard.workers.contract.signals import grade_text
 
 from ..decide.events import Kind
+from ..intake.forensics import holds_no_ids
 
 Markup = Literal["plain", "mrkdwn"]
 MISSING = "—"
@@ -334,7 +335,7 @@ def _forensics(f: _Fields) -> str:
     answered = _items(f.get("ranks_answered"))
     if not answered or f.get("path") is None:
         return f"{head}: no rank answered within {f.num('waited_s', 2)} s (of {asked} asked)"
-    if f.get("batches") == 0 and not f.get("truncated"):  # an older journal's event
+    if holds_no_ids({"batches": f.get("batches"), "truncated": f.get("truncated")}):  # older
         return f"{head}: the script passes no batch ids to {f.code('sg.step()')}"
     steps = _items(f.get("steps"))
     window = f" of steps {f.esc(num(steps[0]))}–{f.esc(num(steps[1]))}" if len(steps) == 2 else ""

@@ -556,8 +556,7 @@ def _no_ids(item: Forensics) -> bool:
     ``sg.step()``, as the HF and Lightning callbacks do): nothing to show."""
     if item.doc is None:
         return False
-    s = fx.summary(item.doc)
-    return s["batches"] == 0 and not s["truncated"] and bool(item.doc.get("answered"))
+    return fx.holds_no_ids(fx.summary(item.doc)) and bool(item.doc.get("answered"))
 
 
 def _columns(samples: list[int]) -> list[tuple[float, float, list[int]]]:

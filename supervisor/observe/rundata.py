@@ -22,12 +22,12 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import heapq
-import json
 import math
 from pathlib import Path
 from typing import IO, Any
 
 from spikeguard.workers.checkpoint.choose import list_checkpoints
+from spikeguard.workers.contract.messages import loads_text
 from spikeguard.workers.contract.signals import LAYER_SIGNALS, worse
 
 from ..decide import recovery as rc
@@ -264,7 +264,7 @@ def _read_reports(path: Path, gens: dict[int, Generation], order: dict[str, int]
     with _open_reports(path) as f:
         for line in f:
             try:
-                msg = json.loads(line)
+                msg = loads_text(line)
             except (ValueError, RecursionError):
                 continue
             if isinstance(msg, dict):

@@ -138,6 +138,22 @@ def expected_unlisted(name: str, kind: Kind) -> bool:
     return kind == "file" and _MARKER_TEMP_RE.fullmatch(name) is not None
 
 
+_EMPTY_DCP_BUCKET_RE = re.compile(r"__\d{1,6}_\d{1,6}\.distcp")
+
+
+def _legacy_empty_bucket(entry: Entry, info: CheckpointInfo) -> bool:
+    """An empty ``__R_K.distcp`` in a DCP directory: DCP creates one for a rank with nothing to
+    write and never reads it (only files its ``.metadata`` names are read). Saves since
+    ``ShardedWriter._drop_empty_buckets`` leave none, but directories committed before it hold
+    them; refusing those would throw every older sharded checkpoint away at the upgrade."""
+    return (
+        info.kind != TRAINER_LAYOUT
+        and entry.kind == "file"
+        and entry.size == 0
+        and _EMPTY_DCP_BUCKET_RE.fullmatch(entry.name) is not None
+    )
+
+
 def _entry_words(entry: Entry) -> str:
     """An entry as a refusal names it: ``name/`` for a directory, the kind for a non-file."""
     if entry.kind == "dir":
@@ -164,7 +180,13 @@ def refuse_unlisted(info: CheckpointInfo, *, storage: Storage | None = None) -> 
     except OSError as e:
         raise CheckpointError(f"{info.path}: cannot list the directory: {e}") from e
     extra = sorted(
-        (e for e in entries if e.name not in listed and not expected_unlisted(e.name, e.kind)),
+        (
+            e
+            for e in entries
+            if e.name not in listed
+            and not expected_unlisted(e.name, e.kind)
+            and not _legacy_empty_bucket(e, info)
+        ),
         key=lambda e: e.name,
     )
     if not extra:

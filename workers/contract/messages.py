@@ -52,6 +52,8 @@ process; the SDK reads them inside ``step()`` (never blocking):
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 FORMAT_VERSION = 1
@@ -120,6 +122,48 @@ def too_deep(value: Any, limit: int) -> bool:
             if isinstance(child, (dict, list)):
                 stack.append((child, depth + 1))
     return False
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A surrogate code point: in a decoded string, always a lone one (json.loads joins a pair)."""
+_MAY_HOLD_SURROGATE = re.compile(r"\\u[dD][89abcdefABCDEF]|[\ud800-\udfff]")
+"""What a JSON text that decodes to a surrogate holds: an escape of one, or one itself (a text
+handed in as ``str``). It also matches what decodes to none (a pair, an escaped backslash)."""
+
+
+def may_hold_surrogate(text: str) -> bool:
+    """Whether JSON ``text`` may decode to a lone surrogate (cheap: most lines are ASCII without
+    a ``\\u`` escape); True means :func:`replace_surrogates` should look."""
+    return ("\\u" in text or not text.isascii()) and _MAY_HOLD_SURROGATE.search(text) is not None
+
+
+def replace_surrogates(value: Any, found: list[bool] | None = None) -> Any:
+    """``value`` (decoded JSON, at most ``MAX_DEPTH`` deep) with every surrogate in its strings,
+    keys included, replaced by U+FFFD (a lone surrogate cannot be encoded: a metrics page, a
+    report or a printed line holding one raises); appends to ``found`` when one was."""
+    t = type(value)
+    if t is str:
+        if _SURROGATE.search(value) is None:
+            return value
+        if found is not None:
+            found.append(True)
+        return _SURROGATE.sub("\ufffd", value)
+    if t is dict:
+        return {
+            replace_surrogates(k, found): replace_surrogates(v, found) for k, v in value.items()
+        }
+    if t is list:
+        return [replace_surrogates(v, found) for v in value]
+    return value
+
+
+def loads_text(text: str | bytes) -> Any:
+    """``json.loads(text)`` with lone surrogates replaced: how the readers of recorded files
+    (``reports.jsonl``, the journal) decode a line, since files written before ingest repaired
+    them may hold ``"\\ud800"``. Raises what ``json.loads`` raises."""
+    value = json.loads(text)
+    raw = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+    return replace_surrogates(value) if may_hold_surrogate(raw) else value
 
 
 class LayerGate:

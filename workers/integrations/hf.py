@@ -109,6 +109,11 @@ def _calling_trainer(callback: TrainerCallback) -> Any:
         del frame
 
 
+_WRAPPED_BY = "spikeguard_callback"
+"""The attribute of spikeguard's ``training_step`` wrapper naming the callback that wrapped it
+(a Trainer is wrapped once, whoever announces it)."""
+
+
 def _save_every(args: TrainingArguments, every: int | None) -> None:
     """The job's ``checkpoint_every`` as the Trainer's save interval (the Trainer writes the
     checkpoints, at ``save_steps`` when ``save_strategy`` is ``"steps"``); a warning when that
@@ -119,6 +124,20 @@ def _save_every(args: TrainingArguments, every: int | None) -> None:
     name = getattr(strategy, "value", strategy)
     if name == "steps" and args.save_steps == every:
         return
+    if getattr(args, "load_best_model_at_end", False):
+        # the Trainer checked save against eval when the arguments were made; a changed
+        # interval would break its best-model tracking without a word
+        evaluation = getattr(args, "eval_strategy", None)
+        eval_name = getattr(evaluation, "value", evaluation)
+        eval_steps = getattr(args, "eval_steps", None) or getattr(args, "logging_steps", None)
+        if eval_name != "steps" or not eval_steps or every % int(eval_steps) != 0:
+            raise ValueError(
+                f"SpikeguardCallback: the job's checkpoint_every={every} ({ENV_CKPT_EVERY}) "
+                "would replace the Trainer's save interval, but load_best_model_at_end=True "
+                f"needs saves aligned with evaluation (eval_strategy={eval_name!r}, "
+                f"eval_steps={eval_steps}): make checkpoint_every a multiple of eval_steps "
+                "with eval_strategy='steps', or remove checkpoint_every from the job"
+            )
     was = f"save_steps={args.save_steps}" if name == "steps" else f"save_strategy={name!r}"
     log.warning(
         f"the job's checkpoint_every={every} ({ENV_CKPT_EVERY}) replaces the Trainer's {was}: "
@@ -194,7 +213,11 @@ class SpikeguardCallback(TrainerCallback):
         model: torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
-        if model is None or self.session is not None:
+        if model is None:
+            return
+        if self.session is not None:  # a second Trainer given the same callback (a notebook)
+            _save_every(args, self.session.config.checkpoint_every)
+            self._wrap_caller()
             return
         ckpt_dir = os.environ.get(ENV_CKPT_DIR)
         if ckpt_dir and os.path.abspath(args.output_dir or "") != os.path.abspath(ckpt_dir):
@@ -202,6 +225,10 @@ class SpikeguardCallback(TrainerCallback):
             args.output_dir = ckpt_dir
         self.session = attach(model, ckpt_dir=args.output_dir, **self._attach_kwargs)
         _save_every(args, self.session.config.checkpoint_every)
+        self._wrap_caller()
+
+    def _wrap_caller(self) -> None:
+        """Wrap the Trainer creating this callback, once per Trainer."""
         trainer = _calling_trainer(self)
         if trainer is None:
             log.warning(
@@ -209,6 +236,8 @@ class SpikeguardCallback(TrainerCallback):
                 "loss is not reported and the Trainer's logged LR is the schedule's"
             )
             return
+        if getattr(trainer.training_step, _WRAPPED_BY, None) is self:
+            return  # the same Trainer announced twice
         self._wrap(trainer)
 
     def _wrap(self, trainer: Any) -> None:
@@ -226,6 +255,7 @@ class SpikeguardCallback(TrainerCallback):
                 self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
             return loss
 
+        setattr(counted_training_step, _WRAPPED_BY, self)
         trainer.training_step = counted_training_step
         get_lr = getattr(trainer, _TRAINER_GET_LR, None)
         if get_lr is None:

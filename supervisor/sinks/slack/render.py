@@ -335,7 +335,7 @@ def rollback_detail(event: Mapping[str, Any], limit: int = 5) -> str:
     skipped = [s for s in raw if isinstance(s, Mapping)] if isinstance(raw, list) else []
     if skipped:
         listed = "; ".join(
-            f"{code(s.get('path'))} ({esc(s.get('reason'))})" for s in skipped[:limit]
+            f"{code(s.get('path'))} ({code(s.get('reason'))})" for s in skipped[:limit]
         )
         more = f" and {len(skipped) - limit} more" if len(skipped) > limit else ""
         parts.append(f"passed over: {listed}{more}")
