@@ -40,7 +40,7 @@ def test_demo_recovers_the_diverging_example(tmp_path):
         [sys.executable, "-m", "spikeguard.supervisor.cli", "events", str(run_dir), "--json"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,  # a loaded machine: the command is quick, its start-up (imports) is not
         check=True,
     )
     events = [json.loads(line) for line in ev.stdout.splitlines()]
