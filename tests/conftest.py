@@ -163,6 +163,17 @@ class Faults:
 
 
 @pytest.fixture
+def restore_environ():
+    """``os.environ`` put back whole after the test: an in-process Trainer (Lightning, HF) sets
+    ``RANK``, ``WORLD_SIZE`` and the like itself, which ``monkeypatch.delenv`` of a name absent
+    before does not undo (a later test then sees a rank's environment)."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
+
+@pytest.fixture
 def fail_at() -> Faults:
     return Faults()
 

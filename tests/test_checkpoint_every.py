@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.usefixtures("restore_environ")
+
 
 class _Lines(logging.Handler):
     """The ``spikeguard`` logger's records (it does not propagate to pytest's caplog)."""

@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("transformers")
 
 HERE = Path(__file__).resolve()
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("restore_environ")]
 
 
 CASES = {

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.usefixtures("restore_environ")
+
 SCALE, REWARM = 0.5, 4
 
 
