@@ -66,6 +66,11 @@ class Kind(str, enum.Enum):
     FORENSICS = "forensics"
     """At an incident's kill, the ranks' recent batch ids were asked for and stored in the run
     directory (``path``), or no rank answered in time."""
+    OPERATOR = "operator"
+    """A human acted on the run (``spikeguard ack|hold|resume``, a Slack button): who
+    (``who``, ``via``), why (``note``), the request's id (``request``), and what it did
+    (``code``: acknowledged, hold set or released, a recovery held for a human, resumed, or
+    refused with the reason)."""
 
     SUPERVISOR_START = "supervisor_start"
     """A supervisor took over an unfinished run directory."""
@@ -123,6 +128,7 @@ READERS: dict[Kind, Reader] = {
     Kind.RESUME: _S,
     Kind.ALERT: _S | _T,
     Kind.FORENSICS: _S | _T,
+    Kind.OPERATOR: _S | _T,
 }
 """Who reads each kind; a kind not listed is bookkeeping, read by ``spikeguard events`` only."""
 
@@ -205,6 +211,24 @@ class Code(str, enum.Enum):
     LAYERS_CAPPED = "layers_capped"
     """Ranks sent more distinct layer names than the supervisor keeps (``MAX_LAYERS_PER_RANK``):
     the others are dropped from their reports (written by the tick reader, once a rank)."""
+    # a human's hand (``operator`` events)
+    ACKNOWLEDGED = "acknowledged"
+    """Someone acknowledged the incident: its repeats stop, pagers get ``acknowledge``."""
+    HOLD_SET = "hold_set"
+    """Automatic recovery is paused: the next recover decision waits for a human."""
+    HOLD_RELEASED = "hold_released"
+    """The pause was lifted before any recovery waited on it."""
+    RECOVERY_HELD = "recovery_held"
+    """A recover decision came while on hold: the ranks were killed, the run waits for a human."""
+    RESUME_ASKED = "resume_asked"
+    """A human asked to resume a held or escalated run: its checkpoint is being verified."""
+    OPERATOR_RESUMED = "operator_resumed"
+    """A human resumed a held or escalated run, from the checkpoint and with the settings they
+    chose."""
+    OPERATOR_REFUSED = "operator_refused"
+    """A human's request could not be honoured (why in ``reason``; what can be in the fields)."""
+    OPERATOR_STOP = "operator_stop"
+    """A human asked to stop the run (a Slack button; ``spikeguard stop`` writes STOP)."""
     # the warm standby (written by the controller, not the machine)
     STANDBY_STARTED = "standby_started"
     STANDBY_READY = "standby_ready"
@@ -342,4 +366,19 @@ def supervisor_start_event(
         "generation": generation,
         "pid": pid,
         "host": host,
+    }
+
+
+def operator_refused_event(request: str, why: str, state: Any) -> dict[str, Any]:
+    """The answer to a file in the operator inbox that is not a request (no action to name)."""
+    inc = getattr(state, "incident", None)
+    return {
+        "kind": Kind.OPERATOR.value,
+        "code": Code.OPERATOR_REFUSED.value,
+        "incident": inc.id if inc is not None else None,
+        "reason": f"an operator request was refused: {why}",
+        "request": request,
+        "action": None,
+        "who": None,
+        "via": None,
     }

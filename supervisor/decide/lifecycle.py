@@ -64,6 +64,16 @@ LIFECYCLE: dict[Kind, Step] = {
     Kind.STOPPED: Step(None, Outcome.STOPPED),
 }
 """Kinds that move an incident (every other kind leaves it as it is)."""
+BY_CODE: dict[str, Step] = {
+    # a recover decision while a human holds the run: the ranks are killed and a human has it
+    "recovery_held": Step(IncidentState.ESCALATED),
+    # a human resumed a held or escalated incident: it is being recovered again (below, fold
+    # also forgets its escalated outcome: how it ends now is what counts)
+    "operator_resumed": Step(IncidentState.RECOVERING),
+}
+"""``operator`` events that move an incident, by code (the kind alone does not say)."""
+REOPENS = frozenset({"operator_resumed"})
+"""Codes after which an incident that had ended is open again."""
 INCIDENT_STATE: dict[Kind, IncidentState] = {
     kind: step.state for kind, step in LIFECYCLE.items() if step.state is not None
 }
@@ -72,17 +82,19 @@ CONCLUDED = frozenset({IncidentState.RESOLVED, IncidentState.ESCALATED})
 """The states that end an incident (its thread's conclusion is broadcast)."""
 
 
-def _step(kind: Any) -> Step | None:
+def _step(kind: Any, code: Any = None) -> Step | None:
+    if kind == Kind.OPERATOR:
+        return BY_CODE.get(str(code))
     try:
         return LIFECYCLE.get(Kind(kind))
     except ValueError:
         return None
 
 
-def leads_to(kind: Any) -> IncidentState | None:
-    """The incident state an event of ``kind`` leads to; None when it leaves the state as it
-    is, or is no kind at all."""
-    step = _step(kind)
+def leads_to(kind: Any, code: Any = None) -> IncidentState | None:
+    """The incident state an event of ``kind`` (and ``code``, for an ``operator`` event) leads
+    to; None when it leaves the state as it is, or is no kind at all."""
+    step = _step(kind, code)
     return None if step is None else step.state
 
 
@@ -119,9 +131,11 @@ def fold(events: Iterable[Mapping[str, Any]]) -> dict[str, IncidentLife]:
             life = lives[inc] = IncidentLife(inc)
         if life is None:
             continue
-        step = _step(kind)
+        step = _step(kind, ev.get("code"))
         if step is None:
             continue
+        if kind == Kind.OPERATOR and ev.get("code") in REOPENS:
+            life.outcome = None
         if step.state is not None:
             life.state = step.state
         if step.outcome is not None and life.outcome is None:

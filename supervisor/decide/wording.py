@@ -277,6 +277,64 @@ def _resume_after_preemption(f: Values, c: Values) -> str:
     )
 
 
+# ---- a human's hand (``operator`` events) -------------------------------------------------------
+def _by(f: Values) -> str:
+    """``by alice@host (cli): why`` for an operator event."""
+    why = f": {f['note']}" if f.get("note") else ""
+    return f"by {f['who']} ({f['via']}){why}"
+
+
+def _acknowledged(f: Values, c: Values) -> str:
+    return f"acknowledged {_by(f)}; its reminders stop"
+
+
+def _hold_set(f: Values, c: Values) -> str:
+    return (
+        f"automatic recovery put on hold {_by(f)}: the next recover decision kills the ranks "
+        "and waits for spikeguard resume"
+    )
+
+
+def _hold_released(f: Values, c: Values) -> str:
+    return f"hold lifted {_by(f)}: automatic recovery is back on"
+
+
+def _recovery_held(f: Values, c: Values) -> str:
+    return (
+        f"{c['rule']} fired while recovery is on hold (set by {f['who']}): the ranks are killed "
+        "and the run waits for a human (spikeguard resume RUN_DIR)"
+    )
+
+
+def _operator_resumed(f: Values, c: Values) -> str:
+    where = (
+        f"from the checkpoint of step {f['checkpoint_step']}"
+        if f.get("checkpoint_path")
+        else "from step 0"
+    )
+    what = [f"LR scale {f['lr_scale']:.4g}"]
+    if f["lr_scale"] != f["lr_scale_before"]:
+        what[0] += f" (was {f['lr_scale_before']:.4g})"
+    if f.get("reset_optimizer"):
+        what.append("optimizer reset")
+    if f.get("skip_ranges"):
+        what.append("skipping steps " + ", ".join(f"{a}-{b}" for a, b in f["skip_ranges"]))
+    return f"resumed {_by(f)} {where}, {', '.join(what)}"
+
+
+def _resume_asked(f: Values, c: Values) -> str:
+    which = f.get("checkpoint") or "the newest healthy checkpoint"
+    return f"resume asked {_by(f)}: verifying {which}"
+
+
+def _operator_refused(f: Values, c: Values) -> str:
+    return f"{f['action']} {_by(f)} refused: {c['why']}"
+
+
+def _operator_stop(f: Values, c: Values) -> str:
+    return f"stop asked {_by(f)}"
+
+
 def _fixed(text: str) -> Wording:
     def word(f: Values, c: Values) -> str:
         return text
@@ -331,6 +389,14 @@ WORDING: dict[tuple[Kind, Code], Wording] = {
     (Kind.RESUME, Code.RESUME_AFTER_PREEMPTION): _resume_after_preemption,
     (Kind.RESUME, Code.RESUME_CHECKPOINT_GONE): _resume_checkpoint_gone,
     **{(Kind.ESCALATED, code): _escalated(code) for code in GIVING_UP},
+    (Kind.OPERATOR, Code.ACKNOWLEDGED): _acknowledged,
+    (Kind.OPERATOR, Code.HOLD_SET): _hold_set,
+    (Kind.OPERATOR, Code.HOLD_RELEASED): _hold_released,
+    (Kind.OPERATOR, Code.RECOVERY_HELD): _recovery_held,
+    (Kind.OPERATOR, Code.RESUME_ASKED): _resume_asked,
+    (Kind.OPERATOR, Code.OPERATOR_RESUMED): _operator_resumed,
+    (Kind.OPERATOR, Code.OPERATOR_REFUSED): _operator_refused,
+    (Kind.OPERATOR, Code.OPERATOR_STOP): _operator_stop,
 }
 """The prose of every event the machine journals, by (kind, code)."""
 

@@ -366,6 +366,23 @@ def _notify_undelivered(f: _Fields) -> str:
     return f.because(line, f.text("error"))
 
 
+OPERATOR_HEADLINES = {
+    "acknowledged": "Acknowledged",
+    "hold_set": "Recovery on hold",
+    "hold_released": "Hold lifted",
+    "recovery_held": "HELD for a human",
+    "resume_asked": "Resume asked",
+    "operator_resumed": "Resumed by hand",
+    "operator_refused": "Operator request refused",
+    "operator_stop": "Stop asked",
+}
+"""The headline of an ``operator`` event, by code."""
+
+
+def _operator(f: _Fields) -> str:
+    return f.because(f.bold(OPERATOR_HEADLINES.get(str(f.get("code")), "Operator")))
+
+
 TEMPLATES: dict[Kind, Callable[[_Fields], str]] = {
     Kind.LAUNCH: _launch,
     Kind.INCIDENT: _incident,
@@ -387,6 +404,7 @@ TEMPLATES: dict[Kind, Callable[[_Fields], str]] = {
     Kind.RESUME: _headline("Supervisor restarted"),
     Kind.ALERT: _alert,
     Kind.FORENSICS: _forensics,
+    Kind.OPERATOR: _operator,
     Kind.SUPERVISOR_START: _headline("Supervisor started"),
     Kind.REAPED: _headline("Killed leftover rank processes"),
     Kind.STANDBY: _standby,

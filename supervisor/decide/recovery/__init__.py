@@ -4,10 +4,16 @@
   (outputs)
 * :mod:`.machine`  the table of handlers (and of restarts), ``step()`` and ``fold()`` (replaying the
   journal)
+* :mod:`.hands`    what a human's request does (ack, hold, resume, stop), registered into the table
 * :mod:`.codec`    observations to and from the journal's JSON
 """
 
 from .machine import HANDLERS, RESTART, fold, step
+
+# isort: off
+from . import hands  # noqa: F401 (registers the handlers of a human's requests into HANDLERS)
+
+# isort: on
 from .model import (
     ACTIVE,
     EXITS,
@@ -28,6 +34,7 @@ from .model import (
     LaunchFailed,
     Notify,
     Observation,
+    Operator,
     Phase,
     Preempt,
     Progress,
@@ -35,6 +42,7 @@ from .model import (
     Recover,
     RequestCheckpoint,
     Restarted,
+    ResumeAsked,
     ResumePlan,
     SelectCheckpoint,
     Settings,
@@ -72,6 +80,7 @@ __all__ = [
     "Launched",
     "Notify",
     "Observation",
+    "Operator",
     "Phase",
     "Preempt",
     "Progress",
@@ -79,6 +88,7 @@ __all__ = [
     "Recover",
     "RequestCheckpoint",
     "Restarted",
+    "ResumeAsked",
     "ResumePlan",
     "SelectCheckpoint",
     "Settings",

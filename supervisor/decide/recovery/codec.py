@@ -55,4 +55,6 @@ def _revive(name: str, value: Any) -> Any:
         return tuple((str(path), str(why)) for path, why in value)
     if name in ("ranks", "forced", "unreachable"):
         return tuple(value)
+    if name == "skip_steps" and value is not None:
+        return (int(value[0]), int(value[1]))
     return value

@@ -236,6 +236,8 @@ def stage1_incident(state: State, obs: Recover) -> _Step:
     )
     state = _replace(state, incidents_seen=n)
     settings = inc.settings
+    if state.hold is not None:
+        return _held(state, inc, [_incident_event(inc, obs, attempt=None)])
     if n > settings.max_incidents or settings.max_attempts < 1:
         opened = _incident_event(inc, obs, attempt=None)
         if n > settings.max_incidents:
@@ -625,6 +627,8 @@ def stage5_probation_failed(state: State, obs: Recover) -> _Step:
     measured = {} if obs.fault else {"value": _measured(obs)}
     failed = _ev(Kind.PROBATION_FAILED, code, inc, given, step=obs.step, rule=obs.rule, **measured)
     events = [failed]
+    if state.hold is not None:
+        return _held(state, inc, events)
     if recurrence is _Recurrence.SAME:
         recurred = {"rule": obs.rule, "first_step": inc.step, "step": obs.step}
         code = Code.RECURRING_FAULT
@@ -1147,6 +1151,15 @@ def _escalate(
         return _Step(st, kill, tuple(events))
     st = _replace(state, phase=Phase.ESCALATED, incident=inc, exit_code=ExitCode.ESCALATED)
     return _Step(st, (*kill, Shutdown(ExitCode.ESCALATED)), tuple(events))
+
+
+def _held(state: State, inc: Incident, events: list[MachineEvent]) -> _Step:
+    """A recover decision while a human holds the run (``spikeguard hold``): kill the ranks and
+    wait for them (HOLDING) instead of rolling back; the incident stays open."""
+    assert state.hold is not None
+    held = _ev(Kind.OPERATOR, Code.RECOVERY_HELD, inc, {"rule": inc.rule}, who=state.hold)
+    st = _replace(state, phase=Phase.HOLDING, incident=inc)
+    return _Step(st, (Kill(wording.kill_reason(held)),), (*events, held))
 
 
 # ---- the resume plan: built in one place -------------------------------------------------------

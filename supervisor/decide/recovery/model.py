@@ -45,7 +45,11 @@ class Phase(str, enum.Enum):
     PROBATION = "PROBATION"
     """The relaunched generation must train a window of steps without another incident."""
     HOLDING = "HOLDING"
-    """The budget is spent and the policy says hold: ranks killed, waiting for a human."""
+    """The budget is spent and the policy says hold (or a human set a hold): ranks killed,
+    waiting for a human (``spikeguard resume``)."""
+    OPERATOR_RESUME = "OPERATOR_RESUME"
+    """A human asked to resume a held or escalated run: the checkpoint they chose (or the newest
+    healthy one) is being verified."""
     PREEMPTING = "PREEMPTING"
     """The supervisor was told to go (SIGTERM: pod eviction, spot reclaim, ``ray job stop``): the
     ranks are asked for an emergency checkpoint within a grace period."""
@@ -167,6 +171,25 @@ class Incident:
     lr_scale_before: float | None = None
     """The run's LR scale when the incident opened, kept when its settings give the cut back
     (``lr_restore_steps``): what the scale returns to once its probation passes."""
+    acknowledged_by: str | None = None
+    """Who acknowledged it (``spikeguard ack``, a Slack button): its repeats stop."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResumeAsked:
+    """A human's resume while its checkpoint is verified (:attr:`State.resume_asked`)."""
+
+    who: str
+    via: str
+    note: str = ""
+    request: str = ""
+    checkpoint: str | None = None
+    lr_scale: float | None = None
+    lr_factor: float | None = None
+    reset_optimizer: bool = False
+    skip_steps: tuple[int, int] | None = None
+    back_to: Phase = Phase.HOLDING
+    """Where the run returns when the resume cannot be honoured (HOLDING or ESCALATED)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -209,6 +232,11 @@ class State:
     """Requests sent to the ranks so far (each request's id is its number)."""
     probation_reported: int = 0
     """Tenths of the probation window already reported (``probation_progress``)."""
+    hold: str | None = None
+    """Who paused automatic recovery (``spikeguard hold``): the next recover decision kills the
+    ranks and waits for a human instead of rolling back."""
+    resume_asked: ResumeAsked | None = None
+    """A human's resume waiting for its checkpoint's verification (OPERATOR_RESUME)."""
     unjournaled: tuple[Observation, ...] = ()
     """Observations that changed the state without an event yet; the next event records them."""
 
@@ -439,6 +467,32 @@ class Restarted:
     """The (restarted) job's launch retries."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Operator:
+    """A human's request (``spikeguard ack|hold|resume``, a Slack button), taken from the run
+    directory's inbox (:mod:`spikeguard.supervisor.intake.operator`)."""
+
+    action: str
+    """ack, hold, resume or stop."""
+    who: str
+    via: str
+    """cli or slack."""
+    note: str = ""
+    request: str = ""
+    """The request's id (its writer finds the answer by it)."""
+    incident: str | None = None
+    """The incident it is about (None: the run's current one)."""
+    checkpoint: str | None = None
+    """resume: the checkpoint to resume from (None: the newest healthy one)."""
+    lr_scale: float | None = None
+    """resume: the run's LR scale from now on."""
+    lr_factor: float | None = None
+    """resume: multiply the run's LR scale by this (ignored with ``lr_scale``)."""
+    reset_optimizer: bool = False
+    skip_steps: tuple[int, int] | None = None
+    """resume: skip the batches of these steps (inclusive)."""
+
+
 Observation = (
     Start
     | CheckpointWanted
@@ -456,6 +510,7 @@ Observation = (
     | Finished
     | StopRequested
     | Restarted
+    | Operator
 )
 OBSERVATIONS: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Observation)}
 """Every observation type by name (how the journal names them)."""
@@ -489,6 +544,9 @@ class SelectCheckpoint:
     """'run': when nothing meets ``min_grade``, a checkpoint at the run's own healthy baseline
     (the median grade of its graded checkpoints before ``before_step``, capped at ``min_grade``)
     qualifies; 'absolute': ``min_grade`` only (see ``recovery.grade_baseline``)."""
+    exact: str | None = None
+    """A human's choice: this checkpoint (its path) and no other, if it is on the lineage and
+    verifies (the other bars do not apply)."""
 
 
 @dataclasses.dataclass(frozen=True)
