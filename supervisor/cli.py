@@ -17,7 +17,7 @@ from typing import Any
 from spikeguard.policies import commands as policy_commands
 from spikeguard.workers.contract.exitcodes import ExitCode
 
-from . import rundir
+from . import operate, rundir
 from .decide.events import Kind
 from .sinks import destinations
 from .sinks.slack import command as slack_command
@@ -397,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("run_dir")
     s.add_argument("--reason", default="stopped by user")
     s.set_defaults(func=_stop)
+    operate.add_commands(sub)
     s = sub.add_parser(
         "demo", help="the diverging example, 2 ranks on local Ray, recovered by spikeguard"
     )

@@ -32,6 +32,7 @@ from .act.effects import Effects
 from .decide import events
 from .decide import recovery as rc
 from .decide.observation import observation_of, observations_of
+from .intake import operator
 from .intake.collector import Collector
 from .intake.tick import ReportLog, TickReader
 from .journal import Journal
@@ -146,6 +147,7 @@ class Controller:
         try:
             if resume_events:
                 self.restart(resume_events)
+                self.take_requests()  # a resume of an escalated run is what brought it back
             else:
                 self._apply(rc.Start(self.settings.launch_retries))
             while self.state.phase not in rc.EXITS:
@@ -223,6 +225,9 @@ class Controller:
     def step(self) -> rc.State:
         """One pass: poll ranks, evaluate, transition. Returns the (new) state."""
         now = self.journal.mono()
+        self.take_requests()
+        if self.state.phase in rc.EXITS:
+            return self.state
         if self.stop_file.exists():
             self._apply(rc.StopRequested(self.paths.stop_reason()))
             return self.state
@@ -247,6 +252,36 @@ class Controller:
             self.on_tick(self)
         self._write_status(every_s=STATUS_EVERY_S)
         return self.state
+
+    def take_requests(self) -> None:
+        """A human's requests (``spikeguard ack|hold|resume``, Slack's buttons), oldest first:
+        each one the machine's :class:`~.decide.recovery.Operator` observation; a file that is
+        not a request is answered as refused (journaled), and the run goes on."""
+        try:
+            taken = operator.take_requests(self.run_dir)
+        except OSError as e:  # an inbox that cannot be read never stops the run
+            log.warning("cannot read the operator requests in %s: %s", self.run_dir, e)
+            return
+        for req in taken:
+            if isinstance(req, operator.Refused):
+                self._event(events.operator_refused_event(req.id, req.reason, self.state))
+                continue
+            choice = req.resume or operator.ResumeChoice()
+            self._apply(
+                rc.Operator(
+                    req.action,
+                    req.who,
+                    req.via,
+                    note=req.note,
+                    request=req.id,
+                    incident=req.incident,
+                    checkpoint=choice.checkpoint,
+                    lr_scale=choice.lr_scale,
+                    lr_factor=choice.lr_factor,
+                    reset_optimizer=choice.reset_optimizer,
+                    skip_steps=choice.skip_steps,
+                )
+            )
 
     def _read(self, now: float) -> None:
         """The tick's intake: the ranks' output, their messages, silences; then upkeep."""

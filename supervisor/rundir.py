@@ -56,6 +56,11 @@ class UnsafePath(RuntimeError):
     supervisor would write: refused rather than written through."""
 
 
+JOB_RECORD = "job.json"
+"""The job as its supervisor runs it (``RUN_DIR/job.json``): what ``spikeguard resume`` supervises
+again when no supervisor is alive."""
+
+
 def _refuse(path: Path, what: str) -> UnsafePath:
     return UnsafePath(
         f"{path} is {what}: the supervisor refuses to write through it. The run directory holds "

@@ -17,6 +17,7 @@ from . import rundir
 from .controller import Controller
 from .decide import recovery as rc
 from .decide.events import Kind
+from .intake import operator
 from .job import JobSpec, load_job_policy
 from .journal import JOURNAL_NAME, read_journal
 from .launch.group import GroupSpec, WorkerGroup, python_cmd
@@ -160,6 +161,9 @@ def _journal_to_continue(job: JobSpec, run_dir: Path) -> tuple[list[dict[str, An
         )
         return events, ExitCode.BAD_INPUT
     done = finished_outcome(events) if events else None
+    if done is not None and done.phase is rc.Phase.ESCALATED and resume_waits(run_dir):
+        log.info(f"run {job.name} in {run_dir} escalated; a human asked to resume it")
+        return events, None
     if done is not None:
         log.info(
             f"run {job.name} in {run_dir} already finished: {finished(events)}. "
@@ -167,6 +171,21 @@ def _journal_to_continue(job: JobSpec, run_dir: Path) -> tuple[list[dict[str, An
         )
         return events, done.exit_code if done.exit_code is not None else ExitCode.FAILED
     return events, None
+
+
+def resume_waits(run_dir: Path) -> bool:
+    """A human's ``resume`` waits in the run directory's inbox (``spikeguard resume``)."""
+    return "resume" in operator.pending_actions(run_dir)
+
+
+def record_job(job: JobSpec, run_dir: Path) -> None:
+    """``RUN_DIR/job.json``: the job as this supervisor runs it, so ``spikeguard resume`` can
+    supervise the run again without its job file (best effort: the journal is the record)."""
+    try:
+        rundir.write_atomic(run_dir / rundir.JOB_RECORD, job.model_dump_json(indent=1))
+    except OSError as e:
+        where = run_dir / rundir.JOB_RECORD
+        log.warning(f"cannot record the job in {where} ({e}); the run goes on")
 
 
 def run_job(job: JobSpec, *, live: bool = True) -> int:
@@ -206,6 +225,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
             lock.close()
         return code
     assert lock is not None
+    record_job(job, run_dir)
     t = job.timeouts
     started = init_ray(job)
     group = WorkerGroup(

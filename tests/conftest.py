@@ -73,6 +73,7 @@ FAULT_MODULES = frozenset(
         "test_faults_recovery.py",
         "test_faults_supervisor.py",
         "test_node_workdir.py",
+        "test_operator_resume.py",
         "test_preempt_semantics.py",
         "test_rank_env_ray.py",
         "test_ray_jobs.py",

@@ -127,6 +127,8 @@ class Effects:
     def select(self, eff: rc.SelectCheckpoint) -> rc.CheckpointChosen:
         """The newest checkpoint that qualifies and verifies (read from the sidecars), and the
         grade rule that chose it (``min_grade``, or the run's own baseline)."""
+        if eff.exact is not None:
+            return self._select_exact(eff)
         failed: list[str] = []
 
         def verify(info: choose.CheckpointInfo) -> None:
@@ -159,6 +161,23 @@ class Effects:
             grade_bar=found.grade_bar,
             baseline_of=found.baseline_of,
         )
+
+    def _select_exact(self, eff: rc.SelectCheckpoint) -> rc.CheckpointChosen:
+        """A human's checkpoint: chosen if it is listed, lies on the lineage and verifies; else
+        nothing, with why."""
+        wanted = str(eff.exact)
+        listed = choose.list_checkpoints(self.paths.ckpt_dir)
+        info = next((i for i in listed if i.path == wanted), None)
+        if info is None:
+            return rc.CheckpointChosen(None, skipped=((wanted, "no such checkpoint"),))
+        if eff.lineage and not choose.on_lineage(eff.lineage, info.generation, info.step):
+            why = f"generation {info.generation} step {info.step} is off the current lineage"
+            return rc.CheckpointChosen(None, skipped=((wanted, why),))
+        try:
+            choose.verify(info)
+        except choose.CheckpointError as e:
+            return rc.CheckpointChosen(None, skipped=((wanted, f"does not verify: {e}"),))
+        return rc.CheckpointChosen(info.path, step=info.step, sha256=info.sha256, grade=info.grade)
 
     def launch(self, eff: rc.Launch) -> rc.Observation:
         """Wait the backoff, reap leftovers, write the plan and the fence, start the ranks."""
