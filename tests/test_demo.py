@@ -16,6 +16,7 @@ BACK = load_policy("default").recovery.min_steps_back
 """How far before its incident the default policy rolls back (at least)."""
 
 
+@pytest.mark.timeout(900)  # a few minutes on an idle 2-core machine, much more under load
 def test_demo_recovers_the_diverging_example(tmp_path):
     run_dir = tmp_path / "demo"
     r = subprocess.run(
