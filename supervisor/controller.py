@@ -266,22 +266,7 @@ class Controller:
             if isinstance(req, operator.Refused):
                 self._event(events.operator_refused_event(req.id, req.reason, self.state))
                 continue
-            choice = req.resume or operator.ResumeChoice()
-            self._apply(
-                rc.Operator(
-                    req.action,
-                    req.who,
-                    req.via,
-                    note=req.note,
-                    request=req.id,
-                    incident=req.incident,
-                    checkpoint=choice.checkpoint,
-                    lr_scale=choice.lr_scale,
-                    lr_factor=choice.lr_factor,
-                    reset_optimizer=choice.reset_optimizer,
-                    skip_steps=choice.skip_steps,
-                )
-            )
+            self._apply(operator.observation(req))
 
     def _read(self, now: float) -> None:
         """The tick's intake: the ranks' output, their messages, silences; then upkeep."""

@@ -226,19 +226,7 @@ def _act_here(run: Path, req: operator.OperatorRequest, events: list[dict[str, A
             _say(f"{run / 'journal.jsonl'} {broken}: the run cannot be acted on")
             return ExitCode.BAD_INPUT
         req = dataclasses.replace(req, id=operator.new_id())
-        choice = req.resume or operator.ResumeChoice()
-        obs = rc.Operator(
-            req.action,
-            req.who,
-            req.via,
-            note=req.note,
-            request=req.id,
-            incident=req.incident,
-            checkpoint=choice.checkpoint,
-            lr_scale=choice.lr_scale,
-            reset_optimizer=choice.reset_optimizer,
-            skip_steps=choice.skip_steps,
-        )
+        obs = operator.observation(req)
         t = rc.step(state, obs)
         if t.effects:  # only a live supervisor carries effects out
             _say(f"{req.action} needs a running supervisor for {run}")

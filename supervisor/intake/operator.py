@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import rundir
+from ..decide import recovery as rc
 
 INBOX = "operator"
 """The directory of ``RUN_DIR`` that holds requests not yet taken."""
@@ -321,3 +322,21 @@ def answer_in(events: Iterable[Mapping[str, Any]], request_id: str) -> Mapping[s
         if ev.get("kind") == "operator" and ev.get("request") == request_id:
             found = ev
     return found
+
+
+def observation(req: OperatorRequest) -> rc.Operator:
+    """The recovery machine's observation of a request."""
+    choice = req.resume or ResumeChoice()
+    return rc.Operator(
+        req.action,
+        req.who,
+        req.via,
+        note=req.note,
+        request=req.id,
+        incident=req.incident,
+        checkpoint=choice.checkpoint,
+        lr_scale=choice.lr_scale,
+        lr_factor=choice.lr_factor,
+        reset_optimizer=choice.reset_optimizer,
+        skip_steps=choice.skip_steps,
+    )
