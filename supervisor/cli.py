@@ -103,6 +103,12 @@ def _run_status(run: Path, say: Callable[[list[str]], None] | None = None) -> di
     if say is not None and problems:
         say(problems)
     status["finished"] = finished(read.events)
+    if status["finished"] is None:
+        try:
+            holder = rundir.lock_holder(run)
+        except (OSError, rundir.UnsafePath):
+            holder = None
+        status["supervisor"] = {"alive": holder is not None, "holder": holder}
     live: Any = {}
     try:
         live = json.loads((run / "status.json").read_text())
@@ -112,7 +118,10 @@ def _run_status(run: Path, say: Callable[[list[str]], None] | None = None) -> di
         live = {}
     kinds: dict[str, type | tuple[type, ...]] = {"ranks": dict, "throughput": dict}
     kinds.update(dropped=dict, updated=(int, float))
+    gone = status.get("supervisor", {}).get("alive") is False
     for key in ("ranks", "throughput", "dropped", "rank_dropped", "updated"):
+        if gone and key == "throughput":
+            continue  # the pace and ETA of a supervisor that is gone are not the run's now
         if key in live and isinstance(live[key], kinds.get(key, object)):
             status[key] = live[key]
     return dict(redact_fields(status, held_secrets(os.environ)))  # an older journal may hold one
@@ -166,7 +175,39 @@ def _render_status(status: dict[str, Any]) -> str:
     ]
     if status.get("dropped"):
         lines.append(f"dropped reports: {status['dropped']}")
+    lines += _next_steps(status)
     return "\n".join(lines)
+
+
+def _next_steps(status: dict[str, Any]) -> list[str]:
+    """What a human reading ``status`` at 3 a.m. needs next: whether anyone supervises the run,
+    who holds or acknowledged it, and the command that moves it on."""
+    out = []
+    if status.get("acknowledged_by"):
+        out.append(f"incident {status.get('incident')} acknowledged by {status['acknowledged_by']}")
+    if status.get("hold"):
+        out.append(f"automatic recovery on hold (set by {status['hold']})")
+    sup = status.get("supervisor") or {}
+    waiting = status.get("phase") in ("HOLDING", "ESCALATED")
+    if sup.get("alive") is False:
+        updated = status.get("updated")
+        seen = ""
+        if isinstance(updated, (int, float)) and not isinstance(updated, bool):
+            import time
+
+            seen = f"; its ranks were last seen {max(0.0, time.time() - updated) / 60:.0f} min ago"
+        out.append(
+            "SUPERVISOR GONE: no process holds the run's lock, so nobody is watching it and the "
+            f"phase above is where it stopped{seen}. `spikeguard submit JOB` on this run "
+            "directory resumes it" + ("; `spikeguard resume RUN_DIR` does too" if waiting else "")
+        )
+    if waiting:
+        out.append(
+            "a human is needed: `spikeguard resume RUN_DIR` (the newest healthy checkpoint), or "
+            "`spikeguard resume RUN_DIR --from-step N --lr-scale X` with a step `spikeguard "
+            "checkpoints RUN_DIR` lists (resume verifies it first)"
+        )
+    return out
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -105,8 +105,11 @@ def test_a_small_world_lists_every_rank():
 
 
 def test_status_watch_redraws_until_the_run_ends(tmp_path, capsys):
-    """A live run's journal (written by the real machine): ``--watch`` keeps drawing while it
-    runs and returns once it completes."""
+    """A live run's journal (written by the real machine, its supervisor's lock held):
+    ``--watch`` keeps drawing while it runs and returns once it completes."""
+    from spikeguard.supervisor import rundir
+
+    lock = rundir.acquire_lock(tmp_path)  # a supervisor runs it (status tells one that is gone)
     journal = Journal(tmp_path, run="r")
     state = rc.State()
 
@@ -134,6 +137,7 @@ def test_status_watch_redraws_until_the_run_ends(tmp_path, capsys):
     assert main(["status", str(tmp_path), "--watch", "0.1"]) == 0
     t.join()
     journal.close()
+    lock.close()
     views = capsys.readouterr().out.split("\n\n")
     assert len(views) >= 3, views  # redrawn while running
     assert views[0].startswith("RUNNING") and "2 ranks · step 7" in views[0]

@@ -82,6 +82,10 @@ def journal_view(
     evs = list(events)
     state, problem = fold_journal(evs, lines)
     view = run_view(state)
+    if state.hold is not None:
+        view["hold"] = state.hold
+    if state.incident is not None and state.incident.acknowledged_by is not None:
+        view["acknowledged_by"] = state.incident.acknowledged_by
     if problem is not None:
         view["replay_problem"] = problem
     last = evs[-1] if evs else None
