@@ -26,7 +26,9 @@ POLICY = Path(__file__).parent / "data" / "toy_policy.yaml"
 JOB = """\
 name: toy
 entrypoint: {script}
-args: ["--steps", "200", "--step-sleep", "0.1"]
+# 400 steps: B's orphans must still be training when C comes up to reap them (under load C's Ray
+# took longer than the ~15 s that 200 steps left them, and there was nothing to reap)
+args: ["--steps", "400", "--step-sleep", "0.1"]
 workers: 2
 policy: {policy}
 run_dir: {run_dir}
