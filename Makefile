@@ -24,7 +24,8 @@ TYPED := -p spikeguard.supervisor.decide.recovery -p spikeguard.workers.contract
 	-m spikeguard.workers.checkpoint.remove -m spikeguard.supervisor.observe.checkpoint_table \
 	-m spikeguard.workers.checkpoint.storage -m spikeguard.supervisor.decide.lifecycle \
 	-m spikeguard.supervisor.decide.observation -m spikeguard.supervisor.intake.tick \
-	-m spikeguard.supervisor.settings -m spikeguard.supervisor.decide.wording
+	-m spikeguard.supervisor.settings -m spikeguard.supervisor.decide.wording \
+	-p spikeguard.supervisor.sinks.pagers
 
 .PHONY: demo test setup lint typecheck clean
 

@@ -30,6 +30,7 @@ from .conditions import AllOf, AnyOf, Change, Condition, Crash, Hang, NonFinite,
 from .values import (
     Action,
     CallerChoice,
+    Duration,
     DurationOf,
     Grade,
     Severity,
@@ -281,6 +282,33 @@ def _layers(v: Any) -> Any:
     return v
 
 
+# --- destinations: the names notify.routes and a rule's notify may use -------------------
+
+DEFAULT_ROUTES: dict[str, tuple[str, ...]] = {
+    "info": ("console",),
+    "warn": ("console", "slack", "alertmanager", "webhook"),
+    "page": ("console", "slack", "alertmanager", "pagerduty", "webhook"),
+}
+"""Where each severity goes when a policy does not say: the supervisor's console, Slack, and the
+pagers (Alertmanager, PagerDuty on pages only, the webhook). A destination the supervisor has not
+configured (no ``SPIKEGUARD_PAGERDUTY_ROUTING_KEY``, …) builds no sink: routing to it costs
+nothing."""
+DESTINATIONS = "destinations"
+"""The validation-context key of the names ``notify.routes`` may use: a supervisor passes the
+names of its sinks (``load_policy(..., destinations=names)``); without it, a policy may route to
+the names of the default routes only."""
+DEFAULT_DESTINATIONS = tuple(dict.fromkeys(n for ns in DEFAULT_ROUTES.values() for n in ns))
+"""The names the default routes use: what a policy loaded without a supervisor's names may use."""
+Destination = CallerChoice(DESTINATIONS, DEFAULT_DESTINATIONS, "destination")
+Destinations = Annotated[
+    list[Destination],  # type: ignore[valid-type]
+    BeforeValidator(
+        lambda v: [v] if isinstance(v, str) else v,
+        json_schema_input_type=Destination | list[Destination],  # type: ignore[valid-type]
+    ),
+]
+
+
 class Rule(_Model):
     """When a condition holds (long enough, outside warm-in and cooldown), take an action."""
 
@@ -327,6 +355,9 @@ class Rule(_Model):
     stop."""
     recovery: RecoveryOverrides | None = None  # type: ignore[valid-type]
     """Overrides of the policy's recovery settings for this rule (action: recover only)."""
+    notify: Destinations | None = None
+    """Where this rule's alerts and incidents go ('[slack, pagerduty]'), instead of the
+    destinations notify.routes gives its severity. Omitted: the routes decide."""
 
     @model_validator(mode="before")
     @classmethod
@@ -387,27 +418,6 @@ def _url(v: Any) -> Any:
 
 Url = Annotated[str | None, BeforeValidator(_url)]
 
-DEFAULT_ROUTES: dict[str, tuple[str, ...]] = {
-    "info": ("console",),
-    "warn": ("console", "slack"),
-    "page": ("console", "slack"),
-}
-"""Where each severity goes when a policy does not say: the supervisor's console and Slack."""
-DESTINATIONS = "destinations"
-"""The validation-context key of the names ``notify.routes`` may use: a supervisor passes the
-names of its sinks (``load_policy(..., destinations=names)``); without it, a policy may route to
-the names of the default routes only."""
-DEFAULT_DESTINATIONS = tuple(dict.fromkeys(n for ns in DEFAULT_ROUTES.values() for n in ns))
-"""The names the default routes use: what a policy loaded without a supervisor's names may use."""
-Destination = CallerChoice(DESTINATIONS, DEFAULT_DESTINATIONS, "destination")
-Destinations = Annotated[
-    list[Destination],  # type: ignore[valid-type]
-    BeforeValidator(
-        lambda v: [v] if isinstance(v, str) else v,
-        json_schema_input_type=Destination | list[Destination],  # type: ignore[valid-type]
-    ),
-]
-
 
 class SlackTarget(_Model):
     """Where Slack messages go. The token never goes here: set SLACK_BOT_TOKEN or
@@ -421,6 +431,14 @@ class SlackTarget(_Model):
     """Link to the runbook, added to every message."""
     dashboard_url: Url = None
     """Link to the dashboard, added to every message."""
+
+
+def _destination_keys(schema: dict[str, Any]) -> None:
+    """The JSON Schema of a mapping keyed by destinations: its keys titled like every other
+    destination, so the schema a supervisor prints lists its own sinks' names there too."""
+    keys = schema.get("propertyNames")
+    if isinstance(keys, dict) and "enum" in keys:
+        keys["title"] = "destination"
 
 
 class Routes(_Model):
@@ -446,11 +464,23 @@ class NotifySettings(_Model):
         "4h", validate_default=True
     )
     """Repeat a still-firing notification this often ('4h'); null never repeats."""
+    repeat_intervals: dict[Destination, DurationOf("seconds") | None] = Field(  # type: ignore[valid-type]
+        default_factory=dict, json_schema_extra=_destination_keys
+    )
+    """Per destination, how often it repeats a still-firing notification, instead of
+    repeat_interval ('{pagerduty: 30m, slack: null}'); null: that destination never repeats."""
     send_resolved: StrictBool = True
     """Send a message when a notify rule's condition clears."""
 
     def destinations(self, severity: str) -> list[str]:
         return list(getattr(self.routes, severity))
+
+    def repeat_interval_of(self, destination: str) -> Duration | None:
+        """How often ``destination`` repeats a still-firing notification: its
+        ``repeat_intervals`` entry when it has one, else ``repeat_interval``; None: never."""
+        if destination in self.repeat_intervals:
+            return self.repeat_intervals[destination]
+        return self.repeat_interval
 
 
 # --- the policy ---------------------------------------------------------------------------

@@ -130,6 +130,8 @@ def test_each_kind_of_event_is_counted_by_its_code_not_its_prose():
         {"kind": "alert", "rule": "slow", "severity": "warn", "resolved": False},
         {"kind": "alert", "rule": "slow", "severity": "warn", "resolved": True},
         {"kind": "notify_undelivered", "what": "reply", "error": "ratelimited"},
+        {"kind": "notify_undelivered", "sink": "pagerduty", "what": "trigger", "error": "503"},
+        {"kind": "notify_undelivered", "sink": "\ud800junk", "what": "x", "error": "?"},
         {"kind": "launch_failed", "code": "launch_failed"},
     ]
     fold = MetricsFold(run="r")
@@ -138,7 +140,9 @@ def test_each_kind_of_event_is_counted_by_its_code_not_its_prose():
     assert fold.incidents == {"nan": 1} and fold.attempts == {"nan": 1}
     assert fold.recoveries == {("nan", "escalated"): 1}
     assert fold.alerts == {("slow", "warn"): 1}  # the resolution is not a firing
-    assert fold.undelivered == 1 and fold.launch_failures == 1
+    # by sink; one the supervisor does not know is "other" (a label's values stay bounded)
+    assert fold.undelivered == {"slack": 1, "pagerduty": 1, "other": 1}
+    assert fold.launch_failures == 1
     incident = next(e for e in events if e["kind"] == "incident")
     launch = next(e for e in events if e.get("code") == "relaunch_after_rollback")
     assert fold.durations == {"nan": [launch["mono"] - incident["mono"]]}

@@ -376,6 +376,34 @@ def check_repeat_interval() -> None:
     assert [(d.step, d.repeated) for d in out] == [(0, False), (10, True), (20, True)]
 
 
+def check_repeat_intervals() -> None:
+    every = "notify:\n  slack: {channel: '#c'}\n  repeat_interval: 20m\n"
+    _, slack = notifiers(every + "  repeat_intervals: {slack: 5m}\n")
+    assert slack.repeat_interval_s == 300  # its own entry, over repeat_interval
+    _, never = notifiers(every + "  repeat_intervals: {slack: null, pagerduty: 1m}\n")
+    assert never.repeat_interval_s == math.inf
+
+
+def check_rule_notify() -> None:
+    rules = (
+        "  - {name: r, when: loss > 9, action: notify, severity: page, notify: [pagerduty]}\n"
+        "  - {name: q, when: loss > 5, action: notify, severity: page}\n"
+    )
+    pol = load_policy_text(
+        f"version: 1\nname: p\nrules:\n{rules}notify:\n  slack: {{channel: '#c'}}\n"
+    )
+    job = JobSpec(name="j", entrypoint="x.py")
+    console, slack = make_notifiers(job, pol, "j", lambda ev: None)
+    slack.close(0.1)
+    # r names its destinations: not the console's nor Slack's, whatever the page route says
+    assert console.rules == {"r": False} and slack.settings.rules == {"r": False}
+    from spikeguard.supervisor.sinks.registry import routes_to
+
+    fired = {"kind": "alert", "severity": "page"}
+    assert not routes_to(slack.settings.severities, slack.settings.rules, {**fired, "rule": "r"})
+    assert routes_to(slack.settings.severities, slack.settings.rules, {**fired, "rule": "q"})
+
+
 def check_send_resolved() -> None:
     rule = "  - {name: r, when: loss > 9, action: notify}\n"
     msgs = [heartbeat(0, 1, loss=10.0), heartbeat(0, 2, loss=1.0)]
@@ -399,6 +427,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "rules.warm_in": check_rule_warm_in,
     "rules.action": check_rule_action,
     "rules.severity": check_rule_severity,
+    "rules.notify": check_rule_notify,
     **{f"recovery.{k}": (lambda f=f: f(False)) for k, f in RECOVERY.items()},
     **{f"rules.recovery.{k}": (lambda f=f: f(True)) for k, f in RECOVERY.items()},
     "notify.slack.channel": check_slack_channel,
@@ -409,6 +438,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "notify.routes.warn": check_route("warn"),
     "notify.routes.page": check_route("page"),
     "notify.repeat_interval": check_repeat_interval,
+    "notify.repeat_intervals": check_repeat_intervals,
     "notify.send_resolved": check_send_resolved,
 }
 

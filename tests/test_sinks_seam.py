@@ -162,7 +162,8 @@ def test_an_unregistered_destination_is_refused_at_its_position(tmp_path, capsys
     where = f"{job.policy}:10:21: notify.routes.page[1]"
     with pytest.raises(PolicyError) as e:
         load_job_policy(job)
-    assert str(e.value) == f"{where}: unknown destination 'pager'; expected 'console' or 'slack'"
+    # the registered names are suggested (the pagers': 'pagerduty' is the nearest)
+    assert str(e.value) == f"{where}: unknown destination 'pager' (did you mean 'pagerduty'?)"
     with pytest.raises(PolicyError, match="unknown destination 'pager'"):
         load_policy(job.policy)  # a library user's default: the default routes' names
     assert main(["policy", "check", job.policy]) == 2
@@ -178,7 +179,7 @@ def test_a_typo_suggests_the_closest_registered_name(tmp_path, pager, capsys):
     assert main(["policy", "check", ok.policy]) == 0  # the CLI knows the registry's names
     assert "ok" in capsys.readouterr().out
     schema = json.dumps(policy_schema(destinations()))  # what `spikeguard policy schema` prints
-    assert '"enum": ["console", "slack", "pager"]' in schema
+    assert '"enum": ["console", "slack", "alertmanager", "pagerduty", "webhook", "pager"]' in schema
 
 
 def test_a_route_to_a_sink_that_is_not_routable_is_refused(tmp_path, pager):

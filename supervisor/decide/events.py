@@ -229,6 +229,10 @@ class Code(str, enum.Enum):
     """A human's request could not be honoured (why in ``reason``; what can be in the fields)."""
     OPERATOR_STOP = "operator_stop"
     """A human asked to stop the run (a Slack button; ``spikeguard stop`` writes STOP)."""
+    BUTTON_REFUSED = "button_refused"
+    """A Slack button press that was not carried out (written by the Slack sink, not the
+    machine): a user not in ``SPIKEGUARD_SLACK_OPERATORS``, another run's button, a payload that
+    is no press of spikeguard's buttons; who pressed and why in ``reason``."""
     # the warm standby (written by the controller, not the machine)
     STANDBY_STARTED = "standby_started"
     STANDBY_READY = "standby_ready"

@@ -362,9 +362,18 @@ def _checkpoint_deleted(f: _Fields) -> str:
 
 
 def _notify_undelivered(f: _Fields) -> str:
-    line = f"{f.bold('Slack message undelivered')} ({f.text('what')})"
+    sink = SINK_TITLES.get(str(f.get("sink") or "slack"), f.text("sink"))
+    line = f"{f.bold(f'{sink} message undelivered')} ({f.text('what')})"
     return f.because(line, f.text("error"))
 
+
+SINK_TITLES = {
+    "slack": "Slack",
+    "alertmanager": "Alertmanager",
+    "pagerduty": "PagerDuty",
+    "webhook": "Webhook",
+}
+"""How a sink's name reads in a story line (an undelivered message names its sink)."""
 
 OPERATOR_HEADLINES = {
     "acknowledged": "Acknowledged",
@@ -375,6 +384,7 @@ OPERATOR_HEADLINES = {
     "operator_resumed": "Resumed by hand",
     "operator_refused": "Operator request refused",
     "operator_stop": "Stop asked",
+    "button_refused": "Slack button press refused",
 }
 """The headline of an ``operator`` event, by code."""
 

@@ -189,7 +189,8 @@ class MetricsFold:
         self.recoveries: dict[tuple[str, str], int] = {}
         self.alerts: dict[tuple[str, str], int] = {}
         self.launch_failures = 0
-        self.undelivered = 0
+        self.undelivered: dict[str, int] = {}
+        """Sink (``slack``, ``pagerduty``, …) -> messages it gave up on."""
         self.durations: dict[str, list[float]] = {}
         """Rule -> seconds from each attempt's incident event to its relaunch."""
         self.incident_durations: dict[tuple[str, str], list[float]] = {}
@@ -225,7 +226,9 @@ class MetricsFold:
         elif kind == "launch_failed":
             self.launch_failures += 1
         elif kind == "notify_undelivered":
-            self.undelivered += 1
+            sink = ev.get("sink")
+            known = ("slack", "alertmanager", "pagerduty", "webhook")
+            _bump(self.undelivered, sink if sink in known else "slack" if sink is None else "other")
         elif kind == "alert" and not ev.get("resolved"):
             severity = str(ev.get("severity") or "warn")
             if severity not in ("info", "warn", "page"):
@@ -347,9 +350,9 @@ class MetricsFold:
             ),
             _counter(
                 "notify_undelivered_total",
-                "notifications given up on",
-                ("run",),
-                {(run,): self.undelivered},
+                "notifications given up on, by sink",
+                ("run", "sink"),
+                {(run, k): n for k, n in self.undelivered.items()},
             ),
             self._dropped(),
             *self._durations(),

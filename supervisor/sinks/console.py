@@ -12,7 +12,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
 from spikeguard.workers.contract.secret_scan import redact
@@ -22,7 +22,7 @@ from ..decide.events import STORY_KINDS
 from ..observe.describe import describe, duration_text
 from ..observe.status import live_status
 from ..redaction import held_secrets
-from .registry import BaseSink, SinkContext, register
+from .registry import BaseSink, SinkContext, register, routes_to
 
 
 def say(text: str, out: TextIO) -> None:
@@ -59,20 +59,22 @@ class ConsoleNotifier(BaseSink):
         out: TextIO | None = None,
         severities: tuple[str, ...] = ("info", "warn", "page"),
         *,
+        rules: Mapping[str, bool] | None = None,
         secrets: Iterable[str] | None = None,
     ) -> None:
-        """Print to ``out`` (stdout) the alerts of ``severities`` and every other story event.
+        """Print to ``out`` (stdout) the alerts of ``severities`` (and of the ``rules`` that
+        name the console, :func:`~.registry.routes_to`) and every other story event.
         ``secrets``: values to redact besides anything shaped like a credential (default: those
         this process's environment holds)."""
         self.out = out or sys.stdout
-        self.severities = severities
+        self.severities, self.rules = severities, dict(rules or {})
         self.secrets = tuple(held_secrets(os.environ) if secrets is None else secrets)
 
     def handle(self, ev: dict[str, Any]) -> None:
         """Print ``ev`` if a person following the run wants to read it."""
         if ev.get("kind") not in STORY_KINDS:
             return
-        if ev.get("kind") == "alert" and str(ev.get("severity") or "warn") not in self.severities:
+        if ev.get("kind") == "alert" and not routes_to(self.severities, self.rules, ev):
             return
         line = redact(describe(ev), self.secrets)
         say(f"[spikeguard {ev['mono']:8.1f}s] {line}", self.out)
@@ -81,7 +83,7 @@ class ConsoleNotifier(BaseSink):
 @register("console")
 def console_sink(ctx: SinkContext) -> ConsoleNotifier:
     """The story on the supervisor's stdout, alerts of the severities routed to ``console``."""
-    return ConsoleNotifier(severities=ctx.severities)
+    return ConsoleNotifier(severities=ctx.severities, rules=ctx.rules)
 
 
 class LiveView:
@@ -98,7 +100,9 @@ class LiveView:
         if now - self._last < self.every_s:
             return
         self._last = now
-        say(render_status(live_status(ctl.state, ctl.collector)), self.out)
+        status = getattr(ctl, "status", None)
+        view = status() if callable(status) else live_status(ctl.state, ctl.collector)
+        say(render_status(view), self.out)
 
 
 WORST_K = 5
@@ -113,6 +117,9 @@ def render_status(s: dict[str, Any], *, worst: int = WORST_K) -> str:
     head = f"{s['phase']:<12} gen {s['generation']}  LR x{s['lr_scale']:.3g}"
     if s.get("probation_until"):
         head += f"  probation until step {s['probation_until']}"
+    waiting = waiting_text(s.get("waiting"))
+    if waiting:
+        head += "\n  " + waiting
     ranks = sorted(s.get("ranks", {}).items(), key=lambda kv: int(kv[0]))
     if not ranks:
         return head
@@ -127,6 +134,21 @@ def render_status(s: dict[str, Any], *, worst: int = WORST_K) -> str:
     for r, v in shown:
         lines.append("    " + _rank_line(int(r), v))
     return "\n".join(lines)
+
+
+def waiting_text(w: Any) -> str:
+    """``waiting for placement of 2 workers with {'CPU': 1.0} each (PACK): 12s of 120s`` for
+    what a launch waits for (``status.json``'s ``waiting``); empty when nothing (or not a
+    mapping: status.json is input too)."""
+    if not isinstance(w, dict):
+        return ""
+    waited, limit = w.get("waited_s"), w.get("timeout_s")
+    took = ""
+    if isinstance(waited, (int, float)) and math.isfinite(waited):
+        took = f": {duration_text(waited)}"
+        if isinstance(limit, (int, float)) and math.isfinite(limit):
+            took += f" of {duration_text(limit)}, then the launch fails and is retried"
+    return f"waiting for {w.get('for', 'resources')} of {w.get('what', '?')}{took}"
 
 
 def badness(rank: int, v: dict[str, Any]) -> tuple[Any, ...]:

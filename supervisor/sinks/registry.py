@@ -4,17 +4,20 @@ A sink lives as long as its supervisor: :meth:`Sink.restore` folds the journal a
 left (a restart continues the same run), :meth:`Sink.handle` gets every event as it is journaled,
 :meth:`Sink.tick` every controller tick, :meth:`Sink.close` the end. A factory registered with
 :func:`register` builds it from a :class:`SinkContext`, or says why not and returns None. The
-names of the routable entries are what a policy's ``notify.routes`` may name
-(:func:`destinations`, passed to ``load_policy``); the others (``/metrics``) follow every event
-whatever the routes say. The built-in entries (console, Slack, metrics) register when
-:mod:`spikeguard.supervisor.sinks` is imported: a new sink is one module there plus its import.
+names of the routable entries are what a policy's ``notify.routes`` and a rule's ``notify`` may
+name (:func:`destinations`, passed to ``load_policy``; :func:`wants` says where an alert goes,
+:func:`repeat_interval_s` how often it repeats there); the others (``/metrics``) follow every
+event whatever the routes say. The built-in entries (console, Slack, the pagers, metrics)
+register when :mod:`spikeguard.supervisor.sinks` is imported: a new sink is one module there
+plus its import.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -85,6 +88,9 @@ class SinkContext:
     severities: tuple[str, ...]
     """The alert severities the policy routes to this sink's name (none for an entry that is not
     routable)."""
+    rules: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+    """The rules that name their own destinations, and whether this sink is one of them
+    (:func:`rule_routes`): with ``severities``, what :func:`routes_to` decides from."""
     clock: Callable[[], float] = time.monotonic
     """The supervisor's monotonic clock (the journal's ``mono``)."""
 
@@ -136,6 +142,51 @@ def routed(notify: NotifySettings, name: str) -> tuple[str, ...]:
     return tuple(s for s in SEVERITIES if name in notify.destinations(s))
 
 
+def severity_of(event: Mapping[str, Any]) -> str:
+    """The severity of an alert or an incident's opening event (``warn`` when it has none, or
+    one no policy names: a hand-written journal)."""
+    severity = event.get("severity")
+    return severity if isinstance(severity, str) and severity in SEVERITIES else "warn"
+
+
+def rule_routes(policy: Policy, name: str) -> dict[str, bool]:
+    """For each rule that names its own destinations (its ``notify:`` list), whether ``name``
+    is among them: those rules' alerts and incidents go where they say, not where the routes
+    of their severity would send them."""
+    return {r.name: name in r.notify for r in policy.rules if r.notify is not None}
+
+
+def routes_to(
+    severities: Iterable[str], rules: Mapping[str, bool], event: Mapping[str, Any]
+) -> bool:
+    """The one routing rule: the alert or incident that ``event`` opens goes to a destination
+    when the rule that wrote it lists that destination (``rules``, :func:`rule_routes`), or,
+    for a rule that lists none (or no rule's event: the supervisor's own alert), when its
+    severity is one the routes send there (``severities``, :func:`routed`)."""
+    rule = event.get("rule")
+    if isinstance(rule, str) and rule in rules:
+        return rules[rule]
+    return severity_of(event) in severities
+
+
+def wants(policy: Policy, name: str, event: Mapping[str, Any]) -> bool:
+    """Whether the alert or incident that ``event`` opens goes to the destination ``name``
+    (:func:`routes_to` under ``policy``). A later event of an incident follows its opening
+    one; how a run ended goes wherever a sink says."""
+    return routes_to(routed(policy.notify, name), rule_routes(policy, name), event)
+
+
+def repeat_interval_s(notify: NotifySettings, name: str) -> float:
+    """Seconds between two notifications of one still-firing alert or open incident to
+    ``name`` (its ``repeat_intervals`` entry, else ``repeat_interval``); ``inf``: never again."""
+    every = notify.repeat_interval_of(name)
+    return math.inf if every is None else float(every.value)
+
+
+MIN_CLOSE_S = 1.0
+"""The least time a sink gets to finish at close, however long the ones before it took."""
+
+
 class SinkSet:
     """The sinks of one run, by name, and their lifecycle: a failing sink is logged and skipped,
     never in the way of the run or of the other sinks."""
@@ -177,9 +228,13 @@ class SinkSet:
             _guarded(name, "tick", sink.tick, ctl)
 
     def close(self, timeout_s: float, *, ended: bool = False) -> None:
-        """Close every sink, the last built first."""
+        """Close every sink, the last built first, all within about ``timeout_s``: the sinks
+        deliver on their own threads meanwhile, so one that is down does not add its wait to
+        the others' (each still gets :data:`MIN_CLOSE_S`)."""
+        deadline = time.monotonic() + timeout_s
         for name, sink in reversed(self.named.items()):
-            _guarded(name, "close", lambda s=sink: s.close(timeout_s, ended=ended))
+            left = max(MIN_CLOSE_S, deadline - time.monotonic())
+            _guarded(name, "close", lambda s=sink, t=left: s.close(t, ended=ended))
 
 
 def build_sinks(
@@ -203,6 +258,7 @@ def build_sinks(
             run_dir=run_dir,
             record=built.recorder(name, record),
             severities=routed(policy.notify, name) if entry.routable else (),
+            rules=rule_routes(policy, name) if entry.routable else {},
             clock=clock,
         )
         try:
