@@ -1,37 +1,51 @@
 """A local Slack-compatible HTTP server for tests (loopback, real HTTP, no mocks).
 
-Serves ``auth.test``, ``chat.postMessage``, ``chat.update``, ``files.getUploadURLExternal`` + the
-upload URL it hands out + ``files.completeUploadExternal``, and incoming webhooks. Records every
-request and validates it against Slack's Web API OpenAPI spec (``../shared/reference/slack/``):
-known parameters, required ones, types (JSON or form encoding), JSON-encoded fields that parse,
-the token in the ``Authorization`` header; and Block Kit limits (<= 50 blocks, header <= 150 chars,
-section text <= 3000, <= 10 fields of <= 2000). Failures get ``invalid_arguments`` and land in
-:attr:`FakeSlack.violations`. The 2020 spec predates the v2 upload methods: :data:`SUPPLEMENT` is
-transcribed from docs.slack.dev. (The spec says GET for ``auth.test``; slack-sdk POSTs, as Slack
-accepts.) Faults: :meth:`~FakeSlack.rate_limit` (429 + ``Retry-After``), :meth:`~FakeSlack.outage`
-(500s), :meth:`~FakeSlack.force_error`, ``delay_s``; naturally: a wrong token (``invalid_auth``), a
+Serves ``auth.test``, ``chat.postMessage``, ``chat.update``, ``chat.postEphemeral``,
+``files.getUploadURLExternal`` + the upload URL it hands out + ``files.completeUploadExternal``,
+incoming webhooks, and Socket Mode: ``apps.connections.open`` (app token ``xapp-…`` only) hands out
+the ``ws://`` URL of a websocket server (:class:`SocketModeServer`, the ``websockets`` package in
+its own thread and event loop) that says ``hello``, pushes ``interactive`` envelopes
+(:meth:`FakeSlack.press`: a button pressed) and records each ack with the time it took.
+
+Records every request and validates it against Slack's Web API OpenAPI spec
+(``../shared/reference/slack/``): known parameters, required ones, types (JSON or form encoding),
+JSON-encoded fields that parse, the token in the ``Authorization`` header (an app token only for
+``apps.connections.open``, else ``not_allowed_token_type``); and Block Kit limits (<= 50 blocks,
+header <= 150 chars, section text <= 3000, <= 10 fields of <= 2000, buttons). Failures get
+``invalid_arguments`` and land in :attr:`FakeSlack.violations`. The 2020 spec predates the v2
+upload methods and Socket Mode: :data:`SUPPLEMENT` is transcribed from docs.slack.dev. (The spec
+says GET for ``auth.test``; slack-sdk POSTs, as Slack accepts.) Faults:
+:meth:`~FakeSlack.rate_limit` (429 + ``Retry-After``), :meth:`~FakeSlack.outage` (500s),
+:meth:`~FakeSlack.force_error`, ``delay_s``; naturally: a wrong token (``invalid_auth``), a
 channel the bot is not in (``not_in_channel``), a token without a scope (``missing_scope``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import re
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qs, parse_qsl, urlsplit
 
 SPEC_PATH = (
     Path(__file__).resolve().parents[1].parent
     / "shared/reference/slack/slack_web_openapi_v2_without_examples.json"
 )
 TOKEN = "xoxb-fake-0000-spikeguard"
+APP_TOKEN = "xapp-1-A0APP-0000-spikeguard"
+"""The app-level token of the fake's app (Socket Mode: ``apps.connections.open`` only)."""
 ALL_SCOPES = ("chat:write", "files:write", "channels:read")
+APP_SCOPES = ("connections:write",)
+APP_ONLY = {"apps.connections.open"}
+"""Methods only an app-level token may call (any other token: ``not_allowed_token_type``)."""
 JSON_FIELDS = {"blocks", "attachments", "files"}  # JSON-encoded strings in form encoding
 #: Not in the 2020 spec; transcribed from docs.slack.dev/reference/methods/<method>.
 SUPPLEMENT = {
@@ -49,10 +63,14 @@ SUPPLEMENT = {
         "initial_comment": ("string", False),
         "blocks": ("string", False),
     },
+    # docs.slack.dev/reference/methods/apps.connections.open: no arguments but the app token
+    "apps.connections.open": {},
 }
 SCOPE_OF = {
     "chat.postMessage": "chat:write",
     "chat.update": "chat:write",
+    "chat.postEphemeral": "chat:write",
+    "apps.connections.open": "connections:write",
     "files.getUploadURLExternal": "files:write",
     "files.completeUploadExternal": "files:write",
 }
@@ -130,8 +148,33 @@ def block_kit_problems(blocks: Any) -> list[str]:
                     out += _text_obj(e, f"{w}.elements[{j}]", 3000)
         elif t == "image" and not (b.get("image_url") and b.get("alt_text")):
             out.append(f"{w}: image needs image_url and alt_text")
-        elif t == "actions" and len(b.get("elements") or []) > 25:
-            out.append(f"{w}: more than 25 elements")
+        elif t == "actions":
+            els = b.get("elements")
+            if not isinstance(els, list) or not 0 < len(els) <= 25:
+                out.append(f"{w}.elements: 1..25 items expected")
+            for j, e in enumerate(els if isinstance(els, list) else []):
+                out += _button_problems(e, f"{w}.elements[{j}]")
+    return out
+
+
+def _button_problems(e: Any, where: str) -> list[str]:
+    """A ``button`` element as Block Kit takes it (text <= 75, action_id <= 255, value <= 2000,
+    style primary/danger, a complete confirm dialog); other interactive elements pass."""
+    if not isinstance(e, dict) or e.get("type") != "button":
+        return [] if isinstance(e, dict) and e.get("type") else [f"{where}: unknown element"]
+    out = _text_obj(e.get("text"), f"{where}.text", 75, ("plain_text",))
+    if not isinstance(e.get("action_id", ""), str) or len(e.get("action_id", "")) > 255:
+        out.append(f"{where}.action_id: a string <= 255 chars expected")
+    if not isinstance(e.get("value", ""), str) or len(e.get("value", "")) > 2000:
+        out.append(f"{where}.value: a string <= 2000 chars expected")
+    if e.get("style") not in (None, "primary", "danger"):
+        out.append(f"{where}.style: primary or danger expected, got {e.get('style')!r}")
+    confirm = e.get("confirm")
+    if confirm is not None:
+        out += _text_obj(confirm.get("title"), f"{where}.confirm.title", 100, ("plain_text",))
+        out += _text_obj(confirm.get("text"), f"{where}.confirm.text", 300)
+        out += _text_obj(confirm.get("confirm"), f"{where}.confirm.confirm", 30, ("plain_text",))
+        out += _text_obj(confirm.get("deny"), f"{where}.confirm.deny", 30, ("plain_text",))
     return out
 
 
@@ -177,12 +220,161 @@ class Call:
         return self.status == 200 and (not isinstance(self.response, dict) or self.response["ok"])
 
 
+@dataclass
+class Envelope:
+    """One envelope pushed over Socket Mode, and its ack (``at``/``acked_at``: monotonic)."""
+
+    envelope_id: str
+    body: Any
+    at: float = field(default_factory=time.monotonic)
+    acked_at: float | None = None
+    ack: dict[str, Any] | None = None
+
+    @property
+    def ack_s(self) -> float | None:
+        """Seconds from the push to the ack (None: not acked yet)."""
+        return None if self.acked_at is None else self.acked_at - self.at
+
+
+class SocketModeServer:
+    """Slack's Socket Mode side: a websocket server on loopback (``websockets``, in its own thread
+    and event loop). A connection must come with a ticket :meth:`issue` handed out (as the URL of
+    ``apps.connections.open`` does), is greeted with ``hello``, and every message it sends back is
+    an ack (``{"envelope_id": …}``) of an envelope :meth:`push` sent, else a violation."""
+
+    def __init__(self, violations: list[str] | None = None) -> None:
+        self.envelopes: dict[str, Envelope] = {}
+        self.violations = [] if violations is None else violations
+        """What a client did that Slack would not take (the fake's own list, when given)."""
+        self.connects = 0
+        """Connections accepted (a reconnect counts again)."""
+        self._tickets: set[str] = set()
+        self._open: list[Any] = []
+        self._cv = threading.Condition()
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Future[None] | None = None
+        self._ready = threading.Event()
+        self.port = 0
+        self._thread = threading.Thread(target=self._run, name="fakeslack-ws", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("the fake Socket Mode server did not start")
+
+    def _run(self) -> None:
+        self._loop.run_until_complete(self._main())
+
+    async def _main(self) -> None:
+        from websockets.asyncio.server import serve
+
+        self._stop = self._loop.create_future()
+        async with serve(self._session, "127.0.0.1", 0, ping_interval=None) as server:
+            self.port = server.sockets[0].getsockname()[1]
+            self._ready.set()
+            await self._stop
+
+    async def _session(self, ws: Any) -> None:
+        ticket = parse_qs(urlsplit(ws.request.path).query).get("ticket", [""])[0]
+        with self._cv:
+            known = ticket in self._tickets
+            self._tickets.discard(ticket)  # a ticket opens one connection
+        if not known:
+            with self._cv:
+                self.violations.append(f"websocket connection with unknown ticket {ticket!r}")
+            await ws.close(1008, "invalid ticket")
+            return
+        hello = {
+            "type": "hello",
+            "num_connections": 1,
+            "debug_info": {"host": "fakeslack", "approximate_connection_time": 18060},
+            "connection_info": {"app_id": "A0APP"},
+        }
+        await ws.send(json.dumps(hello))
+        with self._cv:
+            self._open.append(ws)
+            self.connects += 1
+            self._cv.notify_all()
+        try:
+            async for raw in ws:
+                self._received(raw)
+        except Exception:  # a dropped connection: the client reconnects through a new ticket
+            pass
+        finally:
+            with self._cv:
+                self._open.remove(ws)
+                self._cv.notify_all()
+
+    def _received(self, raw: Any) -> None:
+        now = time.monotonic()
+        try:
+            msg = json.loads(raw)
+        except (TypeError, ValueError):
+            msg = None
+        with self._cv:
+            env = self.envelopes.get(msg.get("envelope_id")) if isinstance(msg, dict) else None
+            if env is None:
+                self.violations.append(f"not an ack of a pushed envelope: {str(raw)[:200]!r}")
+            elif env.ack is not None:
+                self.violations.append(f"envelope {env.envelope_id} acked twice")
+            else:
+                env.ack, env.acked_at = msg, now
+            self._cv.notify_all()
+
+    def issue(self) -> str:
+        """A fresh ticket and the URL that uses it (what ``apps.connections.open`` returns)."""
+        ticket = secrets.token_hex(8)
+        with self._cv:
+            self._tickets.add(ticket)
+        return f"ws://127.0.0.1:{self.port}/link/?ticket={ticket}&app_id=A0APP"
+
+    def wait_connected(self, timeout_s: float = 10.0) -> bool:
+        """Wait until a client is connected; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: bool(self._open), timeout_s)
+
+    def push(self, body: Any, envelope_id: str | None = None) -> Envelope:
+        """Send ``body`` (a dict is sent as JSON with ``envelope_id`` set, a str as it is) to the
+        newest connection; returns the envelope, whose ack is recorded when it comes."""
+        if not self.wait_connected():
+            raise TimeoutError("no Socket Mode client connected")
+        eid = envelope_id or secrets.token_hex(8)
+        if isinstance(body, dict):
+            body = {"envelope_id": eid, **body}
+        text = body if isinstance(body, str) else json.dumps(body)
+        env = Envelope(eid, body)
+        with self._cv:
+            self.envelopes[eid] = env
+            ws = self._open[-1]
+        env.at = time.monotonic()
+        asyncio.run_coroutine_threadsafe(ws.send(text), self._loop).result(10)
+        return env
+
+    def disconnect(self, reason: str = "refresh_requested") -> None:
+        """Ask the client to reconnect, as Slack does now and then (``type: disconnect``)."""
+        with self._cv:
+            ws = self._open[-1]
+        msg = json.dumps({"type": "disconnect", "reason": reason, "debug_info": {"host": "fake"}})
+        asyncio.run_coroutine_threadsafe(ws.send(msg), self._loop).result(10)
+
+    def wait_ack(self, env: Envelope, timeout_s: float = 10.0) -> bool:
+        """Wait until ``env`` is acked; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: env.ack is not None, timeout_s)
+
+    def close(self) -> None:
+        """Stop the server and its loop."""
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(
+                lambda: self._stop.done() or self._stop.set_result(None)
+            )
+        self._thread.join(5)
+
+
 class FakeSlack:
     """The server; use as a context manager. See the module docstring."""
 
     def __init__(self, *, scopes: tuple[str, ...] = ALL_SCOPES, delay_s: float = 0.0) -> None:
         self.spec = load_spec()
-        self.tokens = {TOKEN: set(scopes)}
+        self.tokens = {TOKEN: set(scopes), APP_TOKEN: set(APP_SCOPES)}
         self.channels = {"C0ALERTS": ("ml-alerts", True), "C0OUTSIDE": ("elsewhere", False)}
         self.delay_s = delay_s
         self.calls: list[Call] = []
@@ -190,6 +382,8 @@ class FakeSlack:
         self.messages: list[dict[str, Any]] = []  # channel, ts, text, blocks, thread_ts, updates
         self.files: dict[str, dict[str, Any]] = {}
         self.webhook_posts: list[dict[str, Any]] = []
+        self.ephemerals: list[dict[str, Any]] = []  # channel, user, text, blocks, thread_ts
+        self._socket: SocketModeServer | None = None
         self._lock, self._ts = threading.Lock(), itertools.count(1)
         self._rate_limit: list[Any] = [0, 1, None]  # calls left, Retry-After, methods
         self._outage_until, self._forced = 0.0, {}  # type: tuple[float, dict[str, dict]]
@@ -215,6 +409,8 @@ class FakeSlack:
 
     def __exit__(self, *exc: Any) -> None:
         self._server.shutdown(), self._server.server_close()
+        if self._socket is not None:
+            self._socket.close()
 
     # ------------------------------------------------------------------ fault injection
     def rate_limit(self, calls: int, retry_after: int = 1, methods: set[str] | None = None) -> None:
@@ -228,6 +424,61 @@ class FakeSlack:
     def force_error(self, method: str, error: str, **extra: Any) -> None:
         """Answer ``method`` with ``{"ok": false, "error": error, **extra}`` from now on."""
         self._forced[method] = {"ok": False, "error": error, **extra}
+
+    # ------------------------------------------------------------------ Socket Mode
+    @property
+    def socket_mode(self) -> SocketModeServer:
+        """The websocket side, started on first use (``apps.connections.open`` starts it)."""
+        with self._lock:
+            if self._socket is None:
+                self._socket = SocketModeServer(self.violations)
+            return self._socket
+
+    def press(
+        self,
+        action_id: str,
+        value: str,
+        user: str = "U0ALICE",
+        username: str = "alice",
+        *,
+        channel: str = "C0ALERTS",
+        message_ts: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> Envelope:
+        """Press a button: push the ``block_actions`` envelope Slack sends when ``user`` clicks
+        the button ``action_id`` carrying ``value`` (on message ``message_ts``); returns once
+        the client acked it (its :attr:`Envelope.ack_s` says how fast), TimeoutError if not."""
+        ts = message_ts or "1700000001.000100"
+        payload = {
+            "type": "block_actions",
+            "user": {"id": user, "username": username, "name": username, "team_id": "T0TEST"},
+            "api_app_id": "A0APP",
+            "team": {"id": "T0TEST", "domain": "fake"},
+            "container": {"type": "message", "message_ts": ts, "channel_id": channel},
+            "trigger_id": "1.2.3",
+            "channel": {"id": channel, "name": self.channels.get(channel, ("?",))[0]},
+            "message": {"type": "message", "ts": ts, "text": ""},
+            "response_url": f"{self.api_url[:-4]}actions/T0TEST/1/abc",
+            "actions": [
+                {
+                    "type": "button",
+                    "action_id": action_id,
+                    "block_id": "spikeguard_operator",
+                    "value": value,
+                    "action_ts": f"{time.time():.6f}",
+                }
+            ],
+        }
+        return self.push_interactive(payload, timeout_s=timeout_s)
+
+    def push_interactive(self, payload: Any, *, timeout_s: float = 10.0) -> Envelope:
+        """Push an ``interactive`` envelope carrying ``payload`` (any JSON, hostile included) and
+        wait for its ack; TimeoutError when none came."""
+        body = {"type": "interactive", "payload": payload, "accepts_response_payload": False}
+        env = self.socket_mode.push(body)
+        if not self.socket_mode.wait_ack(env, timeout_s):
+            raise TimeoutError(f"envelope {env.envelope_id} was not acked in {timeout_s} s")
+        return env
 
     # ------------------------------------------------------------------ inspection
     def ok_calls(self, method: str) -> list[Call]:
@@ -388,6 +639,9 @@ class FakeSlack:
         need = SCOPE_OF.get(method)
         if scopes is None:
             return {"ok": False, "error": "invalid_auth"}
+        app_token = (_bearer(headers) or "").startswith("xapp-")
+        if app_token != (method in APP_ONLY) and method != "auth.test":
+            return {"ok": False, "error": "not_allowed_token_type"}
         if need and need not in scopes:
             return {
                 "ok": False,
@@ -407,6 +661,8 @@ class FakeSlack:
             }
         if method not in SCOPE_OF:
             return {"ok": False, "error": "not_implemented_by_fakeslack"}
+        if method == "apps.connections.open":
+            return {"ok": True, "url": self.socket_mode.issue()}
         if method == "files.getUploadURLExternal":
             fid = f"F{len(self.files) + 1:08d}"
             self.files[fid] = {
@@ -418,7 +674,7 @@ class FakeSlack:
             return {"ok": True, "file_id": fid, "upload_url": f"{self.api_url[:-4]}upload/{fid}"}
         cid, err = self._channel(
             p.get("channel_id") if "files." in method else p.get("channel"),
-            by_id_only=method != "chat.postMessage",
+            by_id_only=method not in ("chat.postMessage", "chat.postEphemeral"),
         )
         if err:
             return {"ok": False, "error": err}
@@ -450,6 +706,19 @@ class FakeSlack:
                 }
             )
             return {"ok": True, "channel": cid, "ts": ts, "message": {"text": p.get("text")}}
+        if method == "chat.postEphemeral":
+            if not p.get("text") and not blocks:
+                return {"ok": False, "error": "no_text"}
+            self.ephemerals.append(
+                {
+                    "channel": cid,
+                    "user": p.get("user"),
+                    "text": p.get("text"),
+                    "blocks": blocks,
+                    "thread_ts": thread,
+                }
+            )
+            return {"ok": True, "message_ts": f"{1700000000 + next(self._ts)}.000200"}
         if method == "chat.update":
             for m in self.messages:
                 if m["channel"] == cid and m["ts"] == p["ts"]:

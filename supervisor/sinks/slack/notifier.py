@@ -13,6 +13,12 @@
 ``RateLimitErrorRetryHandler``) and retrying 5xx / connection errors with backoff. What is given
 up is journaled as ``notify_undelivered``; each thread root is journaled as ``notify_thread`` so a
 restarted supervisor (:meth:`SlackNotifier.restore`) keeps posting into the same thread.
+
+With ``SLACK_APP_TOKEN`` (bot mode) and a run directory, the notifier starts a
+:class:`~.buttons.ButtonListener` and the roots carry the operator buttons; what a human did
+(``operator`` events) is a reply in the incident's thread, and the root says who acknowledged or
+holds it (an acknowledged incident's reminders, repeated alerts, are no longer posted). A refused
+press is answered by an ephemeral message, sent through the same queue.
 """
 
 from __future__ import annotations
@@ -26,14 +32,16 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http.client import HTTPException
+from pathlib import Path
 from typing import Any
 
 from slack_sdk.errors import SlackApiError, SlackRequestError
 from spikeguard.workers.contract.secret_scan import redact
 
-from ...decide.events import RUN_END_KINDS, THREAD_KINDS
+from ...decide.events import RUN_END_KINDS, THREAD_KINDS, Code
 from ..charts import has_chart_data, render_incident_chart
-from ..registry import BaseSink
+from ..registry import BaseSink, routes_to
+from .buttons import ButtonListener
 from .client import web_client, webhook_client
 from .render import (
     IncidentView,
@@ -53,7 +61,10 @@ Journal = Callable[[dict], Any]
 RUN_OUTCOMES = RUN_END_KINDS
 """How a run ended (or went away resumably): posted whatever the routes say."""
 RECOVERY_KINDS = THREAD_KINDS
-"""Kinds that go into the thread of the incident they name (a launch only into an open one)."""
+"""Kinds that go into the thread of the incident they name (a launch or an operator event only
+into one already followed)."""
+ONLY_INTO_FOLLOWED = frozenset({"launch", "operator"})
+"""Kinds that never open a thread: they only go into that of an incident already followed."""
 TRANSIENT = {"internal_error", "fatal_error", "service_unavailable", "request_timeout"}
 MAX_QUEUE = 2000
 
@@ -81,7 +92,7 @@ class _Incident:
 
 @dataclass
 class _Op:
-    kind: str  # post | root | reply | update | chart
+    kind: str  # post | root | reply | update | chart | ephemeral
     what: str
     ref: _Incident | None = None
     message: SlackMessage | None = None
@@ -89,14 +100,23 @@ class _Op:
     version: int = 0
     droppable: bool = False
     force: bool = False
+    to: tuple[str, str] | None = None  # an ephemeral's (channel, user)
 
 
 class SlackNotifier(BaseSink):
     """Posts journal events to Slack from a background thread; see the module docstring."""
 
     def __init__(
-        self, settings: SlackSettings, *, run: str, journal: Journal, run_dir_url: str | None = None
+        self,
+        settings: SlackSettings,
+        *,
+        run: str,
+        journal: Journal,
+        run_dir_url: str | None = None,
+        run_dir: Path | None = None,
     ) -> None:
+        """``run_dir``: where button presses put their requests; with it and Socket Mode
+        configured (:attr:`SlackSettings.buttons`) the buttons are on."""
         if settings.problems():
             raise ValueError("Slack notifier not configured: " + "; ".join(settings.problems()))
         self.settings, self.run, self._journal = settings, run, journal
@@ -119,6 +139,14 @@ class SlackNotifier(BaseSink):
             target=self._run_worker, name="spikeguard-slack", daemon=True
         )
         self._worker.start()
+        if settings.buttons_problem():
+            log.warning("Slack: %s", settings.buttons_problem())
+        self._buttons: ButtonListener | None = None
+        if settings.buttons and run_dir is not None:
+            self._buttons = ButtonListener(
+                settings, run=run, run_dir=run_dir, record=self._safe_journal, tell=self.tell
+            )
+            self._buttons.start()
 
     # ----------------------------------------------------------------- caller side (fast)
     def handle(self, event: dict) -> None:
@@ -132,6 +160,15 @@ class SlackNotifier(BaseSink):
                 self._cv.notify_all()
         except Exception:  # a notifier bug must not break a recovery step
             log.exception("slack notifier could not handle %s", event.get("kind"))
+
+    def tell(self, channel: str, user: str, text: str) -> None:
+        """Enqueue an ephemeral message to ``user`` in ``channel`` (a refused button press)."""
+        msg = SlackMessage(text, [])  # an ephemeral is its text only
+        with self._cv:
+            if self._closing:
+                return
+            self._enqueue(_Op("ephemeral", f"ephemeral to {user}", None, msg, to=(channel, user)))
+            self._cv.notify_all()
 
     def restore(self, events: list[dict]) -> None:
         """Rebuild threads, incident states and dedupe windows from past journal events.
@@ -150,12 +187,10 @@ class SlackNotifier(BaseSink):
                     ref.thread = _Thread(str(ev["channel"]), str(ev["ts"]), ref.view.version)
                 elif kind == "alert":
                     self._dedupe_pass(ev)
-                elif (
-                    kind in RECOVERY_KINDS and inc and (kind != "launch" or inc in self._incidents)
-                ):
-                    self._incident(ev).view.apply(ev)
+                elif self._follows(ev):
+                    self._incident(ev).view.apply(ev, buttons=self._buttons is not None)
                     if kind == "probation_progress":
-                        self._progress_at[inc] = parse_time(ev.get("time")) or time.time()
+                        self._progress_at[str(inc)] = parse_time(ev.get("time")) or time.time()
             for inc, ref in self._incidents.items():
                 if ref.thread and not ref.view.concluded and self.settings.mode == "bot":
                     self._enqueue(
@@ -178,7 +213,10 @@ class SlackNotifier(BaseSink):
             )
 
     def close(self, timeout_s: float = 10.0, *, ended: bool = False) -> None:
-        """Send what is queued within ``timeout_s``; journal the rest as undelivered."""
+        """Stop answering buttons; send what is queued within ``timeout_s``; journal the rest as
+        undelivered."""
+        if self._buttons is not None:
+            self._buttons.close()
         with self._cv:
             self._closing = True
             self._cv.notify_all()
@@ -202,26 +240,43 @@ class SlackNotifier(BaseSink):
         return self._incidents[inc]
 
     def _root(self, view: IncidentView) -> SlackMessage:
-        return root_message(view, self._links, self.settings.mention)
+        return root_message(
+            view, self._links, self.settings.mention, buttons=self._buttons is not None
+        )
+
+    def _follows(self, ev: Mapping[str, Any]) -> bool:
+        """Whether ``ev`` belongs in an incident's thread (a launch or a human's hand only in
+        one already followed; a refused button press never: its presser was told)."""
+        kind, inc = ev.get("kind"), ev.get("incident")
+        if kind not in RECOVERY_KINDS or not inc:
+            return False
+        if kind == "operator" and ev.get("code") == Code.BUTTON_REFUSED:
+            return False
+        return kind not in ONLY_INTO_FOLLOWED or inc in self._incidents
+
+    def _reminder_of_acknowledged(self, ev: Mapping[str, Any]) -> bool:
+        """A reminder (a repeated alert) of an incident someone acknowledged: not posted."""
+        ref = self._incidents.get(str(ev.get("incident")))
+        return bool(ev.get("repeated")) and ref is not None and bool(ref.view.acknowledged_by)
 
     def _routed(self, ev: Mapping[str, Any]) -> bool:
         """Whether the policy's routes send this event's severity to Slack (an incident's
         later steps follow its first event)."""
         kind, inc = ev.get("kind"), ev.get("incident")
         if kind == "incident" and inc not in self._incidents:
-            routed = str(ev.get("severity") or "warn") in self.settings.severities
+            routed = routes_to(self.settings.severities, self.settings.rules, ev)
             if not routed:
                 self._muted.add(str(inc))
             return routed
         if kind == "alert" and not (inc and inc in self._incidents):
-            return str(ev.get("severity") or "warn") in self.settings.severities
+            return routes_to(self.settings.severities, self.settings.rules, ev)
         return str(inc) not in self._muted or kind in RUN_OUTCOMES
 
     def _plan(self, ev: dict) -> list[_Op]:
         kind, inc, s = ev.get("kind"), ev.get("incident"), self.settings
         if not self._routed(ev):
             return []
-        if kind == "alert" and not self._dedupe_pass(ev):
+        if kind == "alert" and (self._reminder_of_acknowledged(ev) or not self._dedupe_pass(ev)):
             return []
         if kind in ("completed", "preempted") or (
             kind in ("failed", "stopped") and inc not in self._incidents
@@ -240,18 +295,15 @@ class SlackNotifier(BaseSink):
                     droppable=True,
                 )
             ]
-        if (
-            kind not in RECOVERY_KINDS
-            or not inc
-            or (kind == "launch" and inc not in self._incidents)
-        ):
+        if not self._follows(ev):
             return []
         if kind == "probation_progress" and not self._progress_due(ev):
             return []
         ref = self._incident(ev)
         view = ref.view
         fresh = kind == "incident" and not view.fired
-        changed = view.apply(ev)
+        before = view.state
+        changed = view.apply(ev, buttons=self._buttons is not None)
         what = f"{inc} {kind}"
         if s.mode == "webhook":
             msg = (
@@ -271,7 +323,7 @@ class SlackNotifier(BaseSink):
                 what,
                 ref,
                 step_message(ev, view, self._links, s.mention),
-                broadcast=(view.concluded and changed) or kind == "stopped",
+                broadcast=(view.concluded and view.state is not before) or kind == "stopped",
                 droppable=kind == "probation_progress",
             )
         ]
@@ -377,6 +429,17 @@ class SlackNotifier(BaseSink):
                 title=f"{view.incident} · {self.run}",
             )
             self._send(lambda: self._upload(th, png, view))
+        elif op.kind == "ephemeral":
+            channel, user = op.to  # type: ignore[misc]
+            self._send(
+                lambda: self._call(
+                    lambda: self._web.chat_postEphemeral(  # type: ignore[union-attr]
+                        channel=channel,
+                        user=user,
+                        text=op.message.text,  # type: ignore[union-attr]
+                    )
+                )
+            )
 
     def _ensure_thread(
         self, ref: _Incident, message: SlackMessage | None = None, version: int = 0

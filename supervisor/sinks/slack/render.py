@@ -8,10 +8,15 @@ long reason or run name degrades to an ellipsis instead of an ``invalid_blocks``
 What a rank named (a layer, a checkpoint path) is a code span wherever it appears, a reason's
 ``layer NAME`` included (:func:`~...observe.describe.code`): a URL, a ``<!channel>`` or ``*bold*``
 in a layer's name is shown as text, never as a link, a mention or markup.
+
+With Socket Mode on (:attr:`~.settings.SlackSettings.buttons`) the root message also carries the
+operator buttons (:data:`BUTTONS`): those the incident's state offers (:func:`offered`), each
+naming its run and incident in its value (:func:`button_value`); :mod:`.buttons` answers them.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -19,8 +24,8 @@ from typing import Any
 
 from spikeguard.workers.contract.signals import grade_text, is_grade
 
-from ...decide.events import Kind
-from ...decide.lifecycle import CONCLUDED, IncidentState, concludes, leads_to
+from ...decide.events import Code, Kind
+from ...decide.lifecycle import CONCLUDED, IncidentState, leads_to
 from ...observe.describe import MISSING, code, describe, duration_text, esc, num, ranks_text, spans
 
 HEADER_MAX, SECTION_MAX, FIELD_MAX, CONTEXT_MAX, TEXT_MAX = 150, 3000, 2000, 2000, 3900
@@ -41,7 +46,46 @@ EMOJI = {
     "launch": ":rocket:",
     "stopped": ":stop_button:",
     "forensics": ":mag:",
+    "operator": ":raising_hand:",
 }
+
+
+@dataclass(frozen=True)
+class Button:
+    """One operator button of an incident's root message."""
+
+    action: str
+    """The operator request it writes (``ack``, ``hold``, ``resume``, ``stop``)."""
+    action_id: str
+    """Its Block Kit ``action_id``, by which a press names it."""
+    label: str
+    """What it says (plain text, <= 75 chars)."""
+    style: str | None = None
+    """``primary`` or ``danger``; None: the default look."""
+    confirm: str | None = None
+    """A confirm dialog's text, for a button that cannot be taken back."""
+
+
+RESUME_LR_FACTOR = 0.5
+"""The Resume button's LR factor: the run's LR scale times this."""
+BUTTONS = (
+    Button("ack", "spikeguard_ack", "Acknowledge", "primary"),
+    Button("hold", "spikeguard_hold", "Hold"),
+    Button("resume", "spikeguard_resume", f"Resume with LR ×{RESUME_LR_FACTOR:g}"),
+    Button(
+        "stop",
+        "spikeguard_stop",
+        "Stop",
+        "danger",
+        "Stop the run? Its ranks are killed and the supervisor exits; "
+        "spikeguard resume RUN_DIR can supervise it again later.",
+    ),
+)
+"""The operator buttons, in the order they show."""
+BUTTONS_BLOCK_ID = "spikeguard_operator"
+"""The ``block_id`` of the root message's buttons."""
+VALUE_MAX = 2000
+"""Block Kit's limit on a button's ``value``."""
 
 
 @dataclass(frozen=True)
@@ -129,10 +173,32 @@ class IncidentView:
     probation_until: int | None = None
     version: int = 0
     context: dict[str, Any] | None = None
+    acknowledged_by: str | None = None
+    """Who acknowledged it (``U123 (alice) via slack``); its reminders stop."""
+    held_by: str | None = None
+    """Who put automatic recovery on hold (until a resume or a lifted hold)."""
+    waiting: bool = False
+    """A human is needed and the supervisor waits for one (held, or escalated with ``hold``)."""
+    over: bool = False
+    """The run ended with it (stopped, failed, escalated for good): no one answers buttons."""
 
-    def apply(self, event: Mapping[str, Any]) -> bool:
-        """Fold one event in; True when the root message must be updated (its state changed)."""
-        kind = event.get("kind")
+    def apply(self, event: Mapping[str, Any], *, buttons: bool = False) -> bool:
+        """Fold one event in; True when the root message must be updated: its state changed, or
+        who has it, or (``buttons``: the root shows them) the buttons it offers."""
+        before = self._shown(buttons)
+        self._fold(event)
+        if self._shown(buttons) == before:
+            return False
+        self.version += 1
+        return True
+
+    def _shown(self, buttons: bool) -> tuple[Any, ...]:
+        """What of the view the root shows beyond its steps (a change means an update)."""
+        offer = offered(self) if buttons else ()
+        return (self.state, self.acknowledged_by, self.held_by, offer)
+
+    def _fold(self, event: Mapping[str, Any]) -> None:
+        kind, code = event.get("kind"), event.get("code")
         if kind == Kind.INCIDENT and not self.fired:
             self.fired = {k: event.get(k) for k in FIRED_FIELDS}
             self.started, self.context = parse_time(event.get("time")), event.get("context") or None
@@ -142,23 +208,40 @@ class IncidentView:
                 self.done.append(step)
         if kind == Kind.PROBATION_START:
             self.probation_until = event.get("until_step")
-        return self._move(leads_to(kind), event)
+        if kind == Kind.OPERATOR:
+            self._hand(str(code), event)
+        elif kind == Kind.ESCALATED:
+            self.waiting = event.get("hold") is True
+            self.over = not self.waiting
+        elif kind in (Kind.FAILED, Kind.STOPPED):
+            self.waiting, self.over = False, True
+        self._move(leads_to(kind, code), event)
 
-    def _move(self, state: IncidentState | None, event: Mapping[str, Any]) -> bool:
-        """Take the state ``event`` leads to; a conclusion records when and how it ended."""
+    def _hand(self, code: str, event: Mapping[str, Any]) -> None:
+        """A human's hand (an ``operator`` event): who has the incident, and whether it waits."""
+        who = f"{event.get('who') or MISSING} via {event.get('via') or MISSING}"
+        if code == Code.ACKNOWLEDGED:
+            self.acknowledged_by = self.acknowledged_by or who
+        elif code == Code.HOLD_SET:
+            self.held_by = who
+        elif code == Code.HOLD_RELEASED:
+            self.held_by = None
+        elif code == Code.RECOVERY_HELD:
+            self.waiting = True
+        elif code == Code.OPERATOR_RESUMED:
+            self.held_by, self.waiting, self.over = None, False, False
+
+    def _move(self, state: IncidentState | None, event: Mapping[str, Any]) -> None:
+        """Take the state ``event`` leads to; a conclusion records when and how it ended, a
+        reopening (a human resumed it) forgets when it ended."""
         if state is None:
-            return False
+            return
         if state is IncidentState.RESOLVED:
             self.outcome = describe(event).removeprefix("RESOLVED: ")
         elif state is IncidentState.ESCALATED:
             self.outcome = str(event.get("reason") or "escalated")
-        if state in CONCLUDED:
-            self.ended = parse_time(event.get("time"))
-        if state is self.state:
-            return False
+        self.ended = parse_time(event.get("time")) if state in CONCLUDED else None
         self.state = state
-        self.version += 1
-        return True
 
     @property
     def concluded(self) -> bool:
@@ -225,7 +308,8 @@ def _prose(text: Any, layer: Any) -> str:
 
 
 def links_text(links: Links) -> str | None:
-    """``Run directory · Dashboard · Runbook`` as mrkdwn links (no buttons: those need an app)."""
+    """``Run directory · Dashboard · Runbook`` as mrkdwn links (the operator buttons, which need
+    Socket Mode, are :func:`buttons_block`)."""
     parts = [
         p
         for p in (
@@ -255,8 +339,72 @@ class _Dash(dict):  # type: ignore[type-arg]
         return default if value is None else value
 
 
-def root_message(view: IncidentView, links: Links, mention: str | None) -> SlackMessage:
-    """The thread's root: what broke, what spikeguard did so far, and whether a human is needed."""
+def offered(view: IncidentView) -> tuple[Button, ...]:
+    """The buttons the incident's state offers: none once it is resolved or the run is over;
+    Acknowledge until someone did; Hold while it recovers by itself (and no hold is set);
+    Resume only when it waits for a human; Stop while the run lives."""
+    if view.over or view.state is IncidentState.RESOLVED:
+        return ()
+    wanted = {
+        "ack": view.acknowledged_by is None,
+        "hold": view.held_by is None and not view.waiting,
+        "resume": view.waiting,
+        "stop": True,
+    }
+    return tuple(b for b in BUTTONS if wanted[b.action])
+
+
+def button_value(run: str, incident: str) -> str:
+    """What a button carries: the run and incident it acts on, as compact JSON."""
+    return json.dumps({"run": run, "incident": incident}, separators=(",", ":"))
+
+
+def _plain(text: str) -> dict[str, Any]:
+    return {"type": "plain_text", "text": text}
+
+
+def buttons_block(view: IncidentView) -> dict[str, Any] | None:
+    """The ``actions`` block of the buttons :func:`offered` (None: none, or a run name so long
+    that a value would pass Block Kit's limit)."""
+    value = button_value(view.run, view.incident)
+    if not offered(view) or len(value) > VALUE_MAX:
+        return None
+    elements = []
+    for b in offered(view):
+        el: dict[str, Any] = {
+            "type": "button",
+            "text": _plain(b.label),
+            "action_id": b.action_id,
+            "value": value,
+        }
+        if b.style:
+            el["style"] = b.style
+        if b.confirm:
+            el["confirm"] = {
+                "title": _plain(f"{b.label}: are you sure?"),
+                "text": _plain(b.confirm),
+                "confirm": _plain(b.label),
+                "deny": _plain("Cancel"),
+            }
+        elements.append(el)
+    return {"type": "actions", "block_id": BUTTONS_BLOCK_ID, "elements": elements}
+
+
+def hands_text(view: IncidentView) -> str | None:
+    """Who has the incident (acknowledged, holding), as mrkdwn; None: nobody yet."""
+    parts = []
+    if view.acknowledged_by:
+        parts.append(f":eyes: *Acknowledged* by {esc(view.acknowledged_by)}")
+    if view.held_by:
+        parts.append(f":pause_button: *On hold* (set by {esc(view.held_by)})")
+    return " · ".join(parts) or None
+
+
+def root_message(
+    view: IncidentView, links: Links, mention: str | None, *, buttons: bool = False
+) -> SlackMessage:
+    """The thread's root: what broke, what spikeguard did so far, and whether a human is needed;
+    who has it; with ``buttons`` (Socket Mode on), the operator buttons its state offers."""
     f = _Dash(view.fired)  # a missing field shows as "—" (e.g. the incident event was lost)
     layer = view.fired.get("layer")
     where = f"rank {esc(f.get('rank'))}, layer {_name(layer)}"
@@ -314,6 +462,11 @@ def root_message(view: IncidentView, links: Links, mention: str | None) -> Slack
         blocks.append(_section(f"*Why:* {_prose(view.fired['reason'], layer)}"))
     if view.done:
         blocks.append(_section("*Done so far:* " + " → ".join(esc(d) for d in view.done)))
+    if hands_text(view):
+        blocks.append(_context(hands_text(view)))  # type: ignore[arg-type]
+    actions = buttons_block(view) if buttons else None
+    if actions:
+        blocks.append(actions)
     blocks.append(
         _context(*[t for t in (links_text(links), f"incident {code(view.incident)}") if t])
     )
@@ -348,7 +501,7 @@ def step_message(
     """A thread reply for one recovery step (or the broadcast conclusion)."""
     kind = str(event.get("kind"))
     emoji = EMOJI.get(kind, ":small_blue_diamond:")
-    state = leads_to(kind)
+    state = leads_to(kind, event.get("code"))
     escalated = state is IncidentState.ESCALATED
     ping = escalated or (kind == Kind.ALERT and event.get("severity") == "page")
     why = _prose(event.get("reason") or "", event.get("layer"))
@@ -362,7 +515,7 @@ def step_message(
     else:
         body = f"{emoji} {line}"
     blocks = [_section(_ping(body, mention, ping))]
-    if concludes(kind):
+    if state in CONCLUDED:
         blocks.append(
             _context(
                 f"{esc(root_header(view))}: "
@@ -430,7 +583,7 @@ def standalone_step_message(
 ) -> SlackMessage:
     """Webhook mode (no threads): a step as a message naming its incident; a conclusion is
     the root message in its final state, so the last message in the channel tells it all."""
-    if concludes(event.get("kind")):
+    if leads_to(event.get("kind"), event.get("code")) in CONCLUDED:
         return root_message(view, links, mention)
     reply = step_message(event, view, links, mention)
     prefix = _context(

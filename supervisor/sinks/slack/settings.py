@@ -1,7 +1,8 @@
 """How spikeguard talks to Slack: :class:`SlackSettings`, typed and validated.
 
-Secrets come only from the environment (``SLACK_BOT_TOKEN``, ``SPIKEGUARD_SLACK_WEBHOOK_URL``),
-never from a job or policy file; a policy says where messages go (``policies.schema.SlackTarget``:
+Secrets come only from the environment (``SLACK_BOT_TOKEN``, ``SPIKEGUARD_SLACK_WEBHOOK_URL``,
+``SLACK_APP_TOKEN``), never from a job or policy file, and so does who may press the buttons
+(``SPIKEGUARD_SLACK_OPERATORS``); a policy says where messages go (``policies.schema.SlackTarget``:
 channel, mention, links) and :meth:`SlackSettings.from_env` merges the two.
 """
 
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 DEFAULT_API_URL = "https://slack.com/api/"
+USER_ID = re.compile(r"[UW][A-Z0-9]{2,30}")
+"""What a Slack user ID looks like (``U0123ABCD``; ``W…`` on Enterprise Grid)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,9 @@ class SlackSettings:
     """The severities Slack receives (the policy's ``notify.routes``): an alert or an incident
     thread of another severity is not posted; run outcomes (completed, failed, stopped,
     preempted) always are."""
+    rules: Mapping[str, bool] = field(default_factory=dict)
+    """Rules that name their own destinations (a rule's ``notify:``), and whether Slack is one
+    of them: their alerts and incidents go where they say, whatever their severity."""
     chart: bool = True
     """Upload a chart (grade, attention entropy, loss) into each incident thread (bot mode)."""
     api_url: str = DEFAULT_API_URL
@@ -57,6 +63,13 @@ class SlackSettings:
     """Bot token, only ever from ``SLACK_BOT_TOKEN``; never printed."""
     webhook_url: str | None = field(default=None, repr=False)
     """Incoming webhook, only ever from ``SPIKEGUARD_SLACK_WEBHOOK_URL``; never printed."""
+    app_token: str | None = field(default=None, repr=False)
+    """App-level token (``xapp-…``, scope ``connections:write``), only ever from
+    ``SLACK_APP_TOKEN``; never printed. With it (in bot mode) the incident's root message has
+    buttons, answered over Socket Mode (:mod:`.buttons`)."""
+    operators: tuple[str, ...] = ()
+    """The Slack user IDs whose button presses are carried out (``SPIKEGUARD_SLACK_OPERATORS``,
+    comma-separated); empty: every press is refused."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("bot", "webhook"):
@@ -73,6 +86,7 @@ class SlackSettings:
             if getattr(self, f) < 0:
                 raise ValueError(f"slack {f} must be >= 0, got {getattr(self, f)!r}")
         object.__setattr__(self, "mention", normalize_mention(self.mention))
+        object.__setattr__(self, "operators", tuple(u for u in self.operators if u))
         if not self.api_url.endswith("/"):
             object.__setattr__(self, "api_url", self.api_url + "/")
 
@@ -93,16 +107,17 @@ class SlackSettings:
         The token comes only from ``SLACK_BOT_TOKEN``, the webhook URL only from
         ``SPIKEGUARD_SLACK_WEBHOOK_URL``, the API base from ``SPIKEGUARD_SLACK_API_URL``; the
         channel and mention fall back to ``SPIKEGUARD_SLACK_CHANNEL`` /
-        ``SPIKEGUARD_SLACK_MENTION``.
+        ``SPIKEGUARD_SLACK_MENTION``. The buttons' app token comes only from ``SLACK_APP_TOKEN``,
+        who may press them only from ``SPIKEGUARD_SLACK_OPERATORS``.
         ``mode`` defaults to ``bot`` when a token is set, else ``webhook`` when a URL is set.
         ``options`` are the other fields (``repeat_interval_s=...``); secrets are refused there.
         """
         env = os.environ if environ is None else environ
-        bad = {"token", "webhook_url", "api_url"} & set(options)
+        bad = set(ENV_ONLY) & set(options)
         if bad:
             raise ValueError(
                 f"slack {', '.join(sorted(bad))} can only come from the environment "
-                "(SLACK_BOT_TOKEN, SPIKEGUARD_SLACK_WEBHOOK_URL, SPIKEGUARD_SLACK_API_URL)"
+                f"({', '.join(ENV_ONLY[b] for b in sorted(bad))})"
             )
         token = env.get("SLACK_BOT_TOKEN") or None
         hook = env.get("SPIKEGUARD_SLACK_WEBHOOK_URL") or None
@@ -115,6 +130,10 @@ class SlackSettings:
             api_url=env.get("SPIKEGUARD_SLACK_API_URL") or DEFAULT_API_URL,
             token=token,
             webhook_url=hook,
+            app_token=env.get("SLACK_APP_TOKEN") or None,
+            operators=tuple(
+                u.strip() for u in (env.get("SPIKEGUARD_SLACK_OPERATORS") or "").split(",")
+            ),
             **options,
         )
 
@@ -127,13 +146,53 @@ class SlackSettings:
             out.append("no channel: set slack.channel in the job file or SPIKEGUARD_SLACK_CHANNEL")
         return out
 
+    @property
+    def buttons(self) -> bool:
+        """Whether root messages carry the operator buttons: bot mode with an app token."""
+        return bool(self.app_token) and self.buttons_problem() is None
+
+    def buttons_problem(self) -> str | None:
+        """Why an app token that is set gives no buttons (None: it does, or none is set)."""
+        if not self.app_token:
+            return None
+        if not self.app_token.startswith("xapp-"):
+            return "SLACK_APP_TOKEN is not an app-level token (xapp-…): no buttons"
+        if self.mode != "bot":
+            return "buttons need bot mode (SLACK_BOT_TOKEN), not a webhook: no buttons"
+        return None
+
+    def operators_problem(self) -> str | None:
+        """What is wrong with ``operators`` for pressing buttons (None: nothing)."""
+        if not self.operators:
+            return (
+                "SPIKEGUARD_SLACK_OPERATORS is empty: every Slack button press is refused "
+                "(list the Slack user IDs allowed, comma-separated)"
+            )
+        odd = [u for u in self.operators if not USER_ID.fullmatch(u)]
+        if odd:
+            return (
+                f"SPIKEGUARD_SLACK_OPERATORS has entries that are no Slack user ID ({odd!r:.200}):"
+                " they match no press (use IDs like U0123ABCD, not names)"
+            )
+        return None
+
     def with_options(self, **changes: Any) -> SlackSettings:
         """A copy with some non-secret fields changed."""
-        known = {f.name for f in fields(self)} - {"token", "webhook_url"}
+        known = {f.name for f in fields(self)} - {"token", "webhook_url", "app_token"}
         unknown = set(changes) - known
         if unknown:
             raise ValueError(f"unknown or secret slack settings: {sorted(unknown)}")
         return replace(self, **changes)
+
+
+ENV_ONLY = {
+    "token": "SLACK_BOT_TOKEN",
+    "webhook_url": "SPIKEGUARD_SLACK_WEBHOOK_URL",
+    "api_url": "SPIKEGUARD_SLACK_API_URL",
+    "app_token": "SLACK_APP_TOKEN",
+    "operators": "SPIKEGUARD_SLACK_OPERATORS",
+}
+"""The settings only the environment gives, and the variable that gives each."""
 
 
 def normalize_mention(mention: str | None) -> str | None:

@@ -1,13 +1,13 @@
 """The ``slack`` sink: on when a channel or a webhook is configured, from the job file's
-``notify.slack`` first, then the policy's, then the environment (secrets only from the latter)."""
+``notify.slack`` first, then the policy's, then the environment (secrets only from the latter).
+With ``SLACK_APP_TOKEN`` too, its notifier answers the root messages' buttons (:mod:`.buttons`),
+writing their requests into the run directory."""
 
 from __future__ import annotations
 
-import math
-
 from spikeguard.workers.contract.logs import logger
 
-from ..registry import SinkContext, register
+from ..registry import SinkContext, register, repeat_interval_s
 from .notifier import SlackNotifier
 from .settings import SlackSettings
 
@@ -18,14 +18,14 @@ def slack_settings(ctx: SinkContext) -> SlackSettings:
     """How this run reaches Slack: the job's target over the policy's, secrets from the
     environment; alerts of the severities the routes send to ``slack``."""
     job_slack, notify = ctx.job.notify.slack, ctx.policy.notify
-    repeat = notify.repeat_interval
     return SlackSettings.from_env(
         channel=(job_slack.channel if job_slack else None) or notify.slack.channel,
         mention=(job_slack.mention if job_slack else None) or notify.slack.mention,
         runbook_url=notify.slack.runbook_url,
         dashboard_url=notify.slack.dashboard_url,
         severities=ctx.severities,
-        repeat_interval_s=math.inf if repeat is None else repeat.value,
+        rules=dict(ctx.rules),
+        repeat_interval_s=repeat_interval_s(notify, "slack"),
     )
 
 
@@ -42,4 +42,4 @@ def slack_sink(ctx: SinkContext) -> SlackNotifier | None:
             "; ".join(settings.problems()),
         )
         return None
-    return SlackNotifier(settings, run=ctx.run_id, journal=ctx.record)
+    return SlackNotifier(settings, run=ctx.run_id, journal=ctx.record, run_dir=ctx.run_dir)
