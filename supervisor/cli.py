@@ -103,6 +103,8 @@ def _run_status(run: Path, say: Callable[[list[str]], None] | None = None) -> di
     if say is not None and problems:
         say(problems)
     status["finished"] = finished(read.events)
+    if status.get("phase") in ("HOLDING", "ESCALATED"):
+        status["resumable"] = _resumable(run, read.events)
     if status["finished"] is None:
         try:
             holder = rundir.lock_holder(run)
@@ -117,14 +119,34 @@ def _run_status(run: Path, say: Callable[[list[str]], None] | None = None) -> di
     if not isinstance(live, dict):
         live = {}
     kinds: dict[str, type | tuple[type, ...]] = {"ranks": dict, "throughput": dict}
-    kinds.update(dropped=dict, updated=(int, float))
+    kinds.update(dropped=dict, updated=(int, float), waiting=dict)
     gone = status.get("supervisor", {}).get("alive") is False
-    for key in ("ranks", "throughput", "dropped", "rank_dropped", "updated"):
-        if gone and key == "throughput":
-            continue  # the pace and ETA of a supervisor that is gone are not the run's now
+    for key in ("ranks", "throughput", "dropped", "rank_dropped", "updated", "waiting"):
+        if gone and key in ("throughput", "waiting"):
+            continue  # the pace, ETA and wait of a supervisor that is gone are not the run's now
         if key in live and isinstance(live[key], kinds.get(key, object)):
             status[key] = live[key]
     return dict(redact_fields(status, held_secrets(os.environ)))  # an older journal may hold one
+
+
+RESUMABLE_SHOWN = 5
+"""How many checkpoints ``status`` of a held or escalated run lists (the newest)."""
+
+
+def _resumable(run: Path, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The newest checkpoints a resume could choose (listed, on the lineage; unverified: the
+    resume verifies), for ``status`` of a run that waits for a human."""
+    from . import operate
+    from .decide import recovery as rc
+
+    try:
+        infos = operate.resumable(run, rc.fold(events), verify=False)
+    except Exception:  # a view: a checkpoint directory it cannot read leaves the list out
+        return []
+    return [
+        {"step": i.step, "generation": i.generation, "grade": i.grade, "path": str(i.path)}
+        for i in infos[-RESUMABLE_SHOWN:]
+    ]
 
 
 def _journal_problems(
@@ -151,13 +173,14 @@ def _status_text(status: dict[str, Any]) -> str:
     try:
         return _render_status(status)
     except Exception as e:  # the journal's part alone is what the run is; show that
-        live = [k for k in ("ranks", "throughput", "dropped") if k in status]
+        live = [k for k in ("ranks", "throughput", "dropped", "waiting") if k in status]
         print(
             f"spikeguard status: status.json's {', '.join(live) or 'fields'} cannot be shown "
             f"({type(e).__name__}: {e}); shown without them",
             file=sys.stderr,
         )
-    bare = {k: v for k, v in status.items() if k not in ("ranks", "throughput", "dropped")}
+    shown = ("ranks", "throughput", "dropped", "waiting")
+    bare = {k: v for k, v in status.items() if k not in shown}
     try:
         return _render_status(bare)
     except Exception:
@@ -207,6 +230,17 @@ def _next_steps(status: dict[str, Any]) -> list[str]:
             "`spikeguard resume RUN_DIR --from-step N --lr-scale X` with a step `spikeguard "
             "checkpoints RUN_DIR` lists (resume verifies it first)"
         )
+        rows = status.get("resumable")
+        if isinstance(rows, list) and rows:
+            out.append(f"the newest {len(rows)} it can resume from (--from-step STEP):")
+            out.extend(
+                f"  step {r.get('step'):>8}  generation {r.get('generation'):>3}  grade "
+                f"{'-' if r.get('grade') is None else 'S' + str(r.get('grade'))}  {r.get('path')}"
+                for r in rows
+                if isinstance(r, dict)
+            )
+        elif isinstance(rows, list):
+            out.append("no checkpoint on the run's lineage is listed: resume has none to use")
     return out
 
 
@@ -339,8 +373,11 @@ def _stop(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return ExitCode.BAD_INPUT
-    rundir.write_atomic(run / "STOP", args.reason)
-    print(f"spikeguard: asked the supervisor of {run} ({holder}) to stop ({args.reason})")
+    from .intake.operator import who_from_env
+
+    why = f"{args.reason} (asked by {who_from_env()} via cli)"  # the journal says who
+    rundir.write_atomic(run / "STOP", why)
+    print(f"spikeguard: asked the supervisor of {run} ({holder}) to stop ({why})")
     return ExitCode.OK
 
 

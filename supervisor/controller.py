@@ -107,6 +107,10 @@ class Controller:
         self.on_output = on_output
         """Where the ranks' output lines go besides their logs (the driver's stdout), if set."""
         self.state = rc.State()
+        self.waiting: dict[str, Any] | None = None
+        """What a launch waits for now (the cluster placing its gang), or None."""
+        if hasattr(group, "on_wait"):
+            group.on_wait = self._waiting
         self._preempt_reason: str | None = None
         self._standby_checked = float("-inf")
         self._status_key: tuple[Any, ...] | None = None
@@ -338,6 +342,22 @@ class Controller:
             except Exception as e:  # a sink must never stop a recovery
                 log.warning("notifier %s failed: %s", type(sink).__name__, e)
 
+    def status(self) -> dict[str, Any]:
+        """What ``status.json`` and the live view show (:func:`~.observe.status.live_status`),
+        with what a launch waits for, if it does."""
+        return live_status(self.state, self.collector, waiting=self.waiting)
+
+    def _waiting(self, info: dict[str, Any] | None) -> None:
+        """A launch waits (for its placement), or no longer does: shown at once in
+        ``status.json`` and the live view, since no tick comes while the launch waits."""
+        self.waiting = info
+        self._write_status()
+        if self.on_tick is not None:
+            try:
+                self.on_tick(self)
+            except Exception as e:  # a view must never stop a launch
+                log.warning("the tick hook failed while a launch waits: %s", e)
+
     def _write_status(self, *, every_s: float = 0.0) -> None:
         """``RUN_DIR/status.json``; with ``every_s``, at most that often unless the phase or
         the generation changed (at a thousand ranks, writing it every poll is a tenth of the
@@ -348,7 +368,7 @@ class Controller:
             return
         self._status_key, self._status_at = key, now
         try:  # best effort: status.json is a view, the journal is the record
-            rundir.write_status(self.run_dir, live_status(self.state, self.collector))
+            rundir.write_status(self.run_dir, self.status())
         except OSError as e:
             if self._status_failing is None:
                 log.warning(f"cannot write {self.run_dir / 'status.json'} ({e}); the run goes on")

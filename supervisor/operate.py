@@ -145,9 +145,10 @@ def _choice(args: argparse.Namespace, run: Path, state: rc.State) -> operator.Re
     )
 
 
-def _checkpoint(run: Path, state: rc.State, path: str | None, step: int | None) -> str:
-    """The listed checkpoint named by ``path`` or ``step`` that lies on the run's lineage and
-    verifies; else ``ValueError`` with the table of those that do."""
+def resumable(run: Path, state: rc.State, *, verify: bool = True) -> list[Any]:
+    """The checkpoints a resume of ``run`` can choose, oldest first: listed, on the run's
+    lineage (``state``'s) and, with ``verify``, verified (``status`` lists them unverified:
+    verifying reads every file; the resume verifies its choice)."""
     from spikeguard.workers.checkpoint import choose
 
     listed = choose.list_checkpoints(run / "checkpoints")
@@ -155,11 +156,28 @@ def _checkpoint(run: Path, state: rc.State, path: str | None, step: int | None) 
     for info in sorted(listed, key=lambda i: (i.step, i.generation)):
         if state.lineage and not choose.on_lineage(state.lineage, info.generation, info.step):
             continue
-        try:
-            choose.verify(info)
-        except choose.CheckpointError:
-            continue
+        if verify:
+            try:
+                choose.verify(info)
+            except choose.CheckpointError:
+                continue
         usable.append(info)
+    return usable
+
+
+def checkpoint_rows(infos: list[Any]) -> str:
+    """One line per checkpoint: step, generation, grade, path."""
+    return "\n".join(
+        f"  step {i.step:>8}  generation {i.generation:>3}  "
+        f"grade {'-' if i.grade is None else f'S{i.grade}'}  {i.path}"
+        for i in infos
+    )
+
+
+def _checkpoint(run: Path, state: rc.State, path: str | None, step: int | None) -> str:
+    """The listed checkpoint named by ``path`` or ``step`` that lies on the run's lineage and
+    verifies; else ``ValueError`` with the table of those that do."""
+    usable = resumable(run, state)
     wanted = [
         i
         for i in usable
@@ -171,14 +189,10 @@ def _checkpoint(run: Path, state: rc.State, path: str | None, step: int | None) 
     asked = f"checkpoint {path}" if path is not None else f"a checkpoint of step {step}"
     if not usable:
         raise ValueError(f"cannot resume from {asked}: no checkpoint of this run verifies")
-    rows = "\n".join(
-        f"  step {i.step:>8}  generation {i.generation:>3}  "
-        f"grade {'-' if i.grade is None else f'S{i.grade}'}  {i.path}"
-        for i in usable
-    )
     raise ValueError(
         f"cannot resume from {asked}: it is not one this run can resume from (listed, on its "
-        f"lineage, verified). These can be chosen (--from-step STEP or --checkpoint PATH):\n{rows}"
+        "lineage, verified). These can be chosen (--from-step STEP or --checkpoint PATH):\n"
+        + checkpoint_rows(usable)
     )
 
 

@@ -66,7 +66,8 @@ def test_stop_without_a_live_supervisor_says_so_and_writes_nothing(tmp_path, cap
     assert not (tmp_path / "STOP").exists()
 
 
-def test_stop_asks_a_live_supervisor_to_stop(tmp_path, capsys):
+def test_stop_asks_a_live_supervisor_to_stop(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPIKEGUARD_OPERATOR", "carol@oncall")
     demo_journal(tmp_path, events=6)
     lock = rundir.acquire_lock(tmp_path)  # the live supervisor (an open file of its own)
     try:
@@ -75,7 +76,8 @@ def test_stop_asks_a_live_supervisor_to_stop(tmp_path, capsys):
         lock.close()
     out = capsys.readouterr().out
     assert "asked the supervisor" in out and f"pid {os.getpid()}" in out
-    assert (tmp_path / "STOP").read_text() == "maintenance"
+    # what the supervisor journals as the stop's reason: why, and who asked
+    assert (tmp_path / "STOP").read_text() == "maintenance (asked by carol@oncall via cli)"
     assert stat.S_IMODE(os.stat(tmp_path / "STOP").st_mode) == 0o600
 
 

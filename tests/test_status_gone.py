@@ -88,3 +88,25 @@ def test_a_held_run_says_who_holds_it_and_the_command_that_moves_it_on(tmp_path,
     assert out.startswith("HOLDING")
     assert "on hold (set by alice@host)" in out and "acknowledged by bob@host" in out
     assert "spikeguard resume RUN_DIR" in out and "SUPERVISOR GONE" in out
+
+
+def test_a_held_run_lists_the_checkpoints_it_can_resume_from(tmp_path, capsys):
+    import torch
+    from spikeguard.workers import checkpoint as ckpt
+
+    r = Run()
+    r.feed(rc.Start())
+    r.feed(launched(1))
+    r.feed(rc.Operator("hold", "alice@host", "cli"))
+    r.feed(recover(250))
+    write_journal(tmp_path, r)
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+    for step in (50, 100, 150, 200, 250, 300, 350):
+        ckpt.write_checkpoint(ck, {"w": torch.ones(2)}, step=step, generation=1, meta={"grade": 5})
+    out = status(tmp_path, capsys)
+    assert "the newest 5 it can resume from" in out
+    listed = [int(line.split()[1]) for line in out.splitlines() if line.startswith("  step ")]
+    assert listed == [150, 200, 250, 300, 350]
+    st = json.loads(status(tmp_path, capsys, "--json"))
+    assert [c["step"] for c in st["resumable"]] == listed and st["resumable"][0]["grade"] == 5

@@ -27,6 +27,7 @@ from .. import rundir
 from . import reaper
 from .agent import RankAgent
 from .interface import (
+    WAIT_REPORT_S,
     GroupSpec,
     KillReport,
     LaunchedRank,
@@ -35,6 +36,7 @@ from .interface import (
     RankKill,
     RankPoll,
     StandbyChange,
+    WaitReport,
 )
 from .ray_init import ray_reachable
 from .topology import Layout, rank_start, rank_variables
@@ -76,11 +78,52 @@ class WorkerGroup:
         self._ckpt_dir: str | None = None
         """The run's checkpoint directory, as its ranks got it: it tells their processes apart
         from every other process of the node (:mod:`.reaper`)."""
+        self.on_wait: WaitReport | None = None
+        """Told while a launch waits for its placement (set by the controller)."""
         self._working_dir = False
         """The job has a runtime-env working directory (Ray Jobs' ``--working-dir``): every node
         has its own copy, and each rank starts in its node's (see :func:`.topology.rank_start`)."""
 
     # -- the gang ----------------------------------------------------------------------------
+    def _placed(self, bundle: dict[str, float]) -> bool:
+        """Wait for the placement group to be placed, within ``placement_timeout_s``, telling
+        :attr:`on_wait` how long it has waited (from the first second on) and when it is over;
+        False when the time is up."""
+        s, ready = self.spec, self._pg.ready()
+        started = time.monotonic()
+        what = f"{s.world_size} workers with {bundle} each ({s.strategy})"
+        told = False
+        try:
+            while True:
+                waited = time.monotonic() - started
+                left = s.placement_timeout_s - waited
+                if left <= 0:
+                    return False
+                done, _ = ray.wait([ready], timeout=min(WAIT_REPORT_S, left))
+                if done:
+                    ray.get(ready)
+                    return True
+                told = self._tell_wait(
+                    {
+                        "for": "placement",
+                        "what": what,
+                        "waited_s": round(time.monotonic() - started, 1),
+                        "timeout_s": s.placement_timeout_s,
+                    }
+                )
+        finally:
+            if told:
+                self._tell_wait(None)
+
+    def _tell_wait(self, info: dict[str, Any] | None) -> bool:
+        if self.on_wait is None:
+            return False
+        try:
+            self.on_wait(info)
+        except Exception as e:  # a view must never fail a launch
+            log.warning("reporting the placement wait failed: %s", e)
+        return True
+
     def start(self) -> None:
         """Reserve the gang and start one agent per rank (no training process yet)."""
         s = self.spec
@@ -93,16 +136,14 @@ class WorkerGroup:
             strategy=s.strategy,
             name=f"spikeguard-{self.run_id}-{self._builds}",
         )
-        try:
-            ray.get(self._pg.ready(), timeout=s.placement_timeout_s)
-        except GetTimeoutError:
+        if not self._placed(bundle):
             remove_placement_group(self._pg)
             self._pg = None
             raise LaunchError(
                 f"could not place {s.world_size} workers with {bundle} each ({s.strategy}) "
                 f"within {s.placement_timeout_s:.0f}s (job placement.timeout_s): the cluster "
                 "lacks the resources, or the nodes for this strategy"
-            ) from None
+            )
         actor_cls = ray.remote(RankAgent)
         # the agent takes its rank's GPUs from the bundle, so Ray assigns it device ids (and no
         # other run on the node gets them); the bundle's CPUs are left to the rank's process.

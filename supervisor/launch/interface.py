@@ -8,6 +8,7 @@ The controller never sees a Ray object or an untyped dict: a launch returns one
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Protocol
 
 
@@ -158,6 +159,16 @@ class KillReport:
     """Ranks that ignored SIGTERM for the grace period and were SIGKILLed."""
     unreachable: tuple[int, ...] = ()
     """Ranks whose agent could not be reached (node lost or frozen): fenced, reaped later by pid."""
+
+
+WAIT_REPORT_S = 1.0
+"""How often a launch that waits (for its placement) says so (:data:`WaitReport`)."""
+
+WaitReport = Callable[[dict[str, Any] | None], None]
+"""Told while a launch waits for something outside the run (the cluster placing its gang):
+``{"for": "placement", "what": "2 workers with {'CPU': 1.0} each (PACK)", "waited_s": 12.0,
+"timeout_s": 120.0}`` about every :data:`WAIT_REPORT_S`, then None when the wait is over. The
+controller shows it in the live view and ``status.json``."""
 
 
 class Group(Protocol):

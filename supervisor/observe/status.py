@@ -124,11 +124,15 @@ def _finite(x: Any) -> Any:
     return str(x) if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def live_status(state: rc.State, collector: Collector) -> dict[str, Any]:
+def live_status(
+    state: rc.State, collector: Collector, *, waiting: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """What ``status.json`` holds: :func:`run_view`, the current generation's ranks (each with
     its heartbeat age and steps/s) and the run's ``throughput`` (:func:`throughput`), all
-    measured at the collector's latest time."""
+    measured at the collector's latest time; ``waiting``: what a launch waits for now (its
+    placement: ``for``, ``what``, ``waited_s``, ``timeout_s``), None when nothing."""
     view = run_view(state)
+    view["waiting"] = dict(waiting) if waiting else None
     view["dropped"] = dict(collector.dropped)
     view["rank_dropped"] = collector.rank_dropped
     now = collector.now
