@@ -74,10 +74,12 @@ FAULT_MODULES = frozenset(
         "test_faults_supervisor.py",
         "test_node_workdir.py",
         "test_operator_resume.py",
+        "test_pagers_supervised.py",
         "test_preempt_semantics.py",
         "test_rank_env_ray.py",
         "test_ray_jobs.py",
         "test_sigterm_group.py",
+        "test_slack_buttons.py",
         "test_slack_supervised.py",
         "test_standby_process.py",
     }
