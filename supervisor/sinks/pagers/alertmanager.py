@@ -150,11 +150,8 @@ class AlertmanagerSink(BaseSink):
     # ------------------------------------------------------------------ the sink
     def handle(self, event: dict[str, Any]) -> None:
         """Queue what ``event`` changes in Alertmanager; returns at once."""
-        try:
-            for change in self.follow.apply(event):
-                self._act(change)
-        except Exception:  # a pager bug must not break a recovery step
-            log.exception("alertmanager: could not handle %s", event.get("kind"))
+        for change in self.follow.apply(event):  # the controller guards every sink's handle
+            self._act(change)
 
     def restore(self, events: list[dict[str, Any]]) -> None:
         """Fold a dead supervisor's journal without posting; then post again each incident it
