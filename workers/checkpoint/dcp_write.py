@@ -63,7 +63,7 @@ from . import commit
 from . import write as _write
 from .format import CheckpointError, CheckpointInfo
 from .integrity import hash_file
-from .storage import storage_for
+from .storage import scheme_of, storage_for
 
 _CHECKPOINT_EXCEPTION = getattr(
     getattr(dcp, "api", None), "CheckpointException", None
@@ -276,6 +276,7 @@ class ShardedWriter:
             _write._check_arguments(state, meta, step, generation, 0)
             prepared = _write._prepare(state, "state", _write._safe_classes() | {DTensor})
             meta = json.loads(json.dumps(meta, default=_write._json_default, allow_nan=True))
+            _require_local(path)
             if storage_for(path).exists(path):
                 raise CheckpointError(f"refusing to overwrite existing {path}")
             if fence is not None:
@@ -495,6 +496,18 @@ def _marker_meta(gathered: list[dict[str, Any]], meta: dict[str, Any]) -> dict[s
         "ranks": ranks,
     }
     return json.loads(json.dumps(out, default=_write._json_default, allow_nan=True))
+
+
+def _require_local(path: str) -> None:
+    """Raise :class:`CheckpointError` unless ``path`` is a plain path: DCP's
+    ``FileSystemWriter`` writes the shards with ``os``, and would take ``s3://bucket/x`` for a
+    local directory named ``s3:``."""
+    scheme = scheme_of(path)
+    if scheme not in ("", "file"):
+        raise CheckpointError(
+            f"sharded checkpoints cannot be written to {scheme}:// yet (replicated ones can); "
+            "use a local or shared directory"
+        )
 
 
 def _publish_marker(path: str, text: str) -> None:

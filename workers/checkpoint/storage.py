@@ -18,9 +18,10 @@ an upload, atomic there); a checkpoint's sidecar or commit marker is published l
 checkpoint exists once it does. :meth:`~Storage.sync` makes a directory's entries durable (a
 no-op where a write is durable when it returns).
 
-:class:`PosixStorage` (schemes ``""``, a plain path, and ``file``) is the one implementation:
-it never follows a symlink, never blocks on a FIFO (the checks of :mod:`.files`), fsyncs what it
-publishes and the directory entries it changes.
+:class:`PosixStorage` (schemes ``""``, a plain path, and ``file``) never follows a symlink,
+never blocks on a FIFO (the checks of :mod:`.files`), fsyncs what it publishes and the directory
+entries it changes. The object stores of :data:`OBJECT_STORE_SCHEMES` (``s3://``...) are served by
+:class:`~.fsspec_storage.FsspecStorage`, imported with fsspec on first use.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .files import Kind, NotRegularFile
 
 __all__ = [
     "CHUNK_BYTES",
+    "OBJECT_STORE_SCHEMES",
     "TMP_PREFIX",
     "Entry",
     "Kind",
@@ -384,3 +386,24 @@ class PosixStorage:
     def sync(self, directory: str) -> None:
         """See :meth:`Storage.sync`: fsync the directory."""
         files.fsync_directory(_local(directory))
+
+
+OBJECT_STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs")
+"""The URL schemes of object stores, each one fsspec knows, served by
+:class:`~.fsspec_storage.FsspecStorage`. Its module, fsspec and the backend (``s3fs`` for S3:
+``pip install 'spikeguard[s3]'``) are imported on the first use of such a URL, never before."""
+
+
+def _object_store(scheme: str) -> Callable[[], Storage]:
+    """The factory of ``scheme``'s storage, importing :mod:`.fsspec_storage` when called."""
+
+    def make() -> Storage:
+        from .fsspec_storage import storage_of
+
+        return storage_of(scheme)
+
+    return make
+
+
+for _scheme in OBJECT_STORE_SCHEMES:
+    register(_scheme)(_object_store(_scheme))

@@ -7,8 +7,8 @@ where the filesystem has no hard links), fsyncing the directory after each. The 
 a checkpoint exists once its sidecar does, so a writer killed at any point leaves either a whole
 checkpoint or one that :func:`~.choose.list_checkpoints` reports as a problem, plus temp files
 that :func:`clean_temp_files` removes. Other checkpoints are never touched. Every file operation
-goes through the directory's :class:`~.storage.Storage` (the pickle scan of the temp file, by
-torch, needs it on a local filesystem).
+goes through the directory's :class:`~.storage.Storage`, the pickle scan of the temp file (by
+torch) too: it reads the file the storage opens, so the directory may be an object store.
 
 In the common data-parallel case rank 0 writes the replicated state and the others nothing;
 ``rank`` is in the name so that per-rank shards can come later.
@@ -42,7 +42,7 @@ from .format import (
     checkpoint_name,
     sidecar_text,
 )
-from .storage import remove_quietly, storage_for, temp_name
+from .storage import Storage, remove_quietly, storage_for, temp_name
 
 # Values the weights-only unpickler loads as they are.
 _LEAVES = (
@@ -66,16 +66,19 @@ _LEAVES = (
 _CONTAINERS = (dict, collections.OrderedDict, collections.defaultdict, list, tuple, set)
 
 
-def _unsafe_globals(path: str) -> list[str]:
-    """The globals in the ``torch.save`` file at ``path`` that ``weights_only`` would refuse.
+def _unsafe_globals(path: str, storage: Storage) -> list[str]:
+    """The globals in the ``torch.save`` file at ``path`` (in ``storage``) that ``weights_only``
+    would refuse.
 
-    Asks torch, so classes given to ``add_safe_globals`` count as safe. Torch before 2.5 has no
-    such scan: then nothing is reported.
+    Asks torch, so classes given to ``add_safe_globals`` count as safe; it reads the zip's
+    directory and its pickle, not the tensors. Torch before 2.5 has no such scan: then nothing is
+    reported.
     """
     scan = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
     if scan is None:
         return []
-    return scan(path)
+    with storage.open_read(path) as f:
+        return scan(f)
 
 
 def _safe_classes() -> set[type]:
@@ -281,7 +284,11 @@ def write_checkpoint(
     storage = storage_for(directory)
     name = checkpoint_name(step, generation, rank)
     path = os.path.join(directory, name)
-    if storage.exists(path) or storage.exists(path + SIDECAR_SUFFIX):
+    try:
+        taken = storage.exists(path) or storage.exists(path + SIDECAR_SUFFIX)
+    except OSError as e:  # a store that cannot be reached: not "absent"
+        raise CheckpointError(f"writing checkpoint {path} failed: {e}") from e
+    if taken:
         raise CheckpointError(f"refusing to overwrite existing checkpoint {path}")
     try:
         state = _prepare(state, "state", _safe_classes())
@@ -299,7 +306,7 @@ def write_checkpoint(
     fenced = False  # True while ``fence`` runs: its exception is re-raised unchanged
     try:
         hashed = _write_durable(tmp, lambda w: torch.save(state, w), created)
-        unsafe = _unsafe_globals(tmp)
+        unsafe = _unsafe_globals(tmp, storage)
         if unsafe:
             raise UnsafeCheckpointError(
                 f"{name} would need globals weights_only refuses: {sorted(unsafe)}"
