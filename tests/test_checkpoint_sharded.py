@@ -35,15 +35,23 @@ pytestmark = pytest.mark.slow
 SCRIPT = SCRIPTS / "sharded_rank.py"
 
 
-def _job(tmp: Path, world: int, *args: str, plan: ResumePlan | None = None, **env: str):
-    """Run the script with ``world`` ranks; returns (results, [rank results JSON or None])."""
+def _job(
+    tmp: Path,
+    world: int,
+    *args: str,
+    plan: ResumePlan | None = None,
+    ckpt_dir: str | None = None,
+    **env: str,
+):
+    """Run the script with ``world`` ranks, checkpointing to ``ckpt_dir`` (default
+    ``tmp/ck``); returns (results, [rank results JSON or None])."""
     out = tmp / "out"
     out.mkdir(parents=True, exist_ok=True)
     if plan is not None:
         plan_path = tmp / "plan.json"
         plan_path.write_text(plan.to_json())
         env["SPIKEGUARD_RESUME"] = str(plan_path)
-    argv = ["--ckpt-dir", str(tmp / "ck"), "--out", str(out), *args]
+    argv = ["--ckpt-dir", ckpt_dir or str(tmp / "ck"), "--out", str(out), *args]
     runs = run_ranks(SCRIPT, argv, world, timeout=180, **env)
     results = []
     for r in range(world):

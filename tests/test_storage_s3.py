@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -267,20 +266,6 @@ def test_an_absent_prefix_is_empty_and_a_missing_bucket_is_a_problem(s3: Bucket)
     assert missing == [] and missing.problems == [
         (url, f"cannot list the directory: [Errno 19] the bucket does not exist: '{url}'")
     ]
-
-
-def test_sharded_saves_to_s3_are_refused_before_anything_is_written(
-    s3: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    monkeypatch.chdir(tmp_path)  # where DCP would have made a directory named "s3:"
-    msd, _ = get_state_dict(torch.nn.Linear(2, 2), [])
-    with pytest.raises(CheckpointError, match=r"cannot be written to s3:// yet"):
-        ckpt.ShardedWriter().save(
-            s3.url(RUN), {"model": msd}, step=30, generation=1, rank_meta={"grade": 5}, meta={}
-        )
-    assert list(tmp_path.iterdir()) == [] and s3.objects() == []
 
 
 def test_slowdown_is_retried_with_backoff(s3: Bucket, s3_throttle: Throttle) -> None:

@@ -24,6 +24,7 @@ does when it replaces a generation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -80,7 +81,11 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 
 def mid_save(directory: str, action) -> None:
-    """Run ``action()`` once DCP has written a shard into ``directory`` (before its fsync)."""
+    """Run ``action()`` once DCP has written a shard into ``directory`` (before its fsync; on
+    an object store, once the first bytes of the shard's upload were written)."""
+    if "://" in directory:
+        _mid_upload(directory, action)
+        return
     real_fsync = os.fsync
 
     def fsync(fd: int) -> None:
@@ -90,6 +95,30 @@ def mid_save(directory: str, action) -> None:
         real_fsync(fd)
 
     os.fsync = fsync
+
+
+def _mid_upload(directory: str, action) -> None:
+    """``mid_save`` on an object store: ``action()`` after the first write into a shard's upload."""
+    from spikeguard.workers.checkpoint import dcp_storage
+
+    real = dcp_storage.StoreFileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with real(self, path, mode) as f:
+            url = os.fspath(path)
+            if url.startswith(directory) and url.endswith(".distcp"):
+                real_write = f.write
+
+                def write(b):
+                    n = real_write(b)
+                    action()
+                    return n
+
+                f.write = write
+            yield f
+
+    dcp_storage.StoreFileSystem.create_stream = create_stream
 
 
 class Requests:

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import commit, pickle_scan
+from .dcp_storage import reader_for
 from .dcp_write import ShardedWriter, describe_error, failures, quiet_single_process
 from .format import (
     CheckpointError,
@@ -72,10 +73,12 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _VerifiedReader(dcp.FileSystemReader):
-    """DCP's file reader, except that its metadata is the one verified beforehand."""
+    """DCP's file reader (through the object store's storage for its URL), except that its
+    metadata is the one verified beforehand."""
 
     def __init__(self, path: str, metadata: Metadata) -> None:
         super().__init__(path)
+        reader_for(self, path)  # an object store's URL: read through its storage
         self._verified = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

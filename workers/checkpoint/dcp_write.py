@@ -10,18 +10,20 @@ each one collective, so every rank gets the same outcome:
    with ``weights_only=True``), its metadata and the fence; the outcomes are gathered, and if any
    rank cannot save, every rank raises before anything is written. An existing directory of the
    same name is never overwritten.
-2. **Write**: ``dcp.save`` (or ``dcp.async_save``) into ``ckpt-step…-gen….dcp/`` with
-   ``sync_files=True``: each rank writes and fsyncs its shard, rank 0 the ``.metadata``.
-3. **Hash and gather**: each rank removes the data files DCP opened for it but left empty and
-   unreferenced (a rank with nothing to write), then hashes the files it wrote itself
-   (``__{rank}_*.distcp``; rank 0 also ``.metadata``), usually from the page cache, and the
-   hashes, the rank's grade and loss are gathered on rank 0. The cost: one extra read of each
-   rank's own shard, all ranks in parallel, and one small gather; nothing is read over the
-   network by rank 0.
+2. **Write**: ``dcp.save`` (or ``dcp.async_save``) into ``ckpt-step…-gen….dcp/`` through
+   :func:`.dcp_storage.writer_for`: on a plain path each rank writes and fsyncs its shard, rank 0
+   the ``.metadata``; on an object store (``s3://``) each file is one write-once upload straight
+   from the rank. Every byte goes through sha256 on its way out.
+3. **Gather**: each rank removes the data files DCP opened for it but left empty and
+   unreferenced (a rank with nothing to write); the hashes of the files it wrote itself
+   (``__{rank}_*.distcp``; rank 0 also ``.metadata``), taken as it wrote them, the rank's grade
+   and loss are gathered on rank 0 (one small gather). Nothing is read back: not from the page
+   cache, not over the network.
 4. **Commit** (rank 0): every file DCP's metadata refers to must have been hashed; the fence is
    checked once more (a replaced generation never commits); the commit marker (:mod:`.commit`)
-   is written to a temp file, fsynced, renamed and the directory fsynced. Its text is broadcast,
-   so every rank returns the same :class:`~.format.CheckpointInfo`.
+   is published write-once, last (on POSIX a temp file, fsync, a link, the directory fsynced; on
+   an object store one conditional PUT). Its text is broadcast, so every rank returns the same
+   :class:`~.format.CheckpointInfo`; a directory without a marker is never listed or chosen.
 
 A failure after the write started (a rank's write failed, a disk filled up, hashing failed, the
 fence) raises :class:`CheckpointError` on every rank, and rank 0 removes the directory: every
@@ -61,9 +63,10 @@ from torch.distributed.tensor import DTensor
 
 from . import commit
 from . import write as _write
+from .dcp_storage import Written, writer_for
 from .format import CheckpointError, CheckpointInfo
 from .integrity import hash_file
-from .storage import scheme_of, storage_for
+from .storage import storage_for
 
 _CHECKPOINT_EXCEPTION = getattr(
     getattr(dcp, "api", None), "CheckpointException", None
@@ -208,13 +211,16 @@ class ShardedWriter:
         path = os.path.join(directory, commit.sharded_name(step, generation))
         prepared, meta = self._preflight(path, state, step, generation, meta, fence)
         control, background = self._groups()
+        storage_writer, written = writer_for(path)
         if not async_save:
-            metadata = self._dcp(dcp.save, path, prepared, control, "writing")
-            info = self._commit(path, metadata, step, generation, rank_meta, meta, fence, control)
+            metadata = self._dcp(dcp.save, path, prepared, control, "writing", storage_writer)
+            info = self._commit(
+                path, metadata, written, step, generation, rank_meta, meta, fence, control
+            )
             if on_commit is not None and self.rank == 0:
                 on_commit(info)
             return info
-        upload = self._dcp(dcp.async_save, path, prepared, background, "staging")
+        upload = self._dcp(dcp.async_save, path, prepared, background, "staging", storage_writer)
         upload_future = getattr(upload, "upload_completion", upload)
 
         def finish() -> CheckpointInfo:
@@ -226,7 +232,7 @@ class ShardedWriter:
                 self._cleanup_after_failure(path, background)
                 raise CheckpointError(f"writing {path} failed: {describe_error(e)}") from e
             info = self._commit(
-                path, metadata, step, generation, rank_meta, meta, fence, background
+                path, metadata, written, step, generation, rank_meta, meta, fence, background
             )
             if on_commit is not None and self.rank == 0:
                 on_commit(info)
@@ -276,7 +282,6 @@ class ShardedWriter:
             _write._check_arguments(state, meta, step, generation, 0)
             prepared = _write._prepare(state, "state", _write._safe_classes() | {DTensor})
             meta = json.loads(json.dumps(meta, default=_write._json_default, allow_nan=True))
-            _require_local(path)
             if storage_for(path).exists(path):
                 raise CheckpointError(f"refusing to overwrite existing {path}")
             if fence is not None:
@@ -302,16 +307,23 @@ class ShardedWriter:
         return prepared, meta
 
     def _dcp(
-        self, call: Callable[..., Any], path: str, state: dict[str, Any], group: Any, what: str
+        self,
+        call: Callable[..., Any],
+        path: str,
+        state: dict[str, Any],
+        group: Any,
+        what: str,
+        storage_writer: Any,
     ) -> Any:
-        """``dcp.save`` or ``dcp.async_save`` of ``state`` into ``path`` over ``group``, every
-        file fsynced; DCP's errors (a ``CheckpointException``, a ``BaseException``) become a
-        :class:`CheckpointError`, after the clean-up when the write itself failed."""
+        """``dcp.save`` or ``dcp.async_save`` of ``state`` into ``path`` over ``group`` with
+        ``storage_writer`` (:func:`.dcp_storage.writer_for`'s); DCP's errors (a
+        ``CheckpointException``, a ``BaseException``) become a :class:`CheckpointError`, after
+        the clean-up when the write itself failed."""
         try:
             with quiet_single_process(self.distributed):
                 return call(
                     state,
-                    storage_writer=dcp.FileSystemWriter(path, sync_files=True, overwrite=False),
+                    storage_writer=storage_writer,
                     process_group=group,
                     no_dist=not self.distributed,
                 )
@@ -345,7 +357,7 @@ class ShardedWriter:
                 mine.append(name)
         return mine
 
-    def _drop_empty_buckets(self, path: str, referenced: set[str]) -> None:
+    def _drop_empty_buckets(self, path: str, referenced: set[str], written: Written) -> None:
         """Remove this rank's data files that DCP created empty and no metadata refers to.
 
         ``FileSystemWriter`` opens one file per thread bucket whether or not anything goes in
@@ -357,29 +369,28 @@ class ShardedWriter:
         storage = storage_for(path)
         mine = re.compile(rf"__{self.rank}_\d+{re.escape(dcp_filesystem.DEFAULT_SUFFIX)}")
         removed = False
-        for entry in storage.listdir(path):
-            if (
-                entry.kind == "file"
-                and entry.size == 0
-                and entry.name not in referenced
-                and mine.fullmatch(entry.name)
-            ):
-                removed = storage.remove_file(os.path.join(path, entry.name)) or removed
+        for name, (_, size) in written.files().items():
+            if size == 0 and name not in referenced and mine.fullmatch(name):
+                removed = storage.remove_file(os.path.join(path, name)) or removed
         if removed:
             storage.sync(path)
 
-    def _hash_own(self, path: str, metadata: Any) -> tuple[dict[str, tuple[str, int]], str | None]:
+    def _hash_own(
+        self, path: str, metadata: Any, written: Written
+    ) -> tuple[dict[str, tuple[str, int]], str | None]:
         """Stage 3: {name: (sha256, size)} of this rank's files, or the reason it failed (its
-        empty, unreferenced ones removed first: :meth:`_drop_empty_buckets`)."""
+        empty, unreferenced ones removed first: :meth:`_drop_empty_buckets`). The hashes are
+        those taken as the files were written; a file this rank owns by its name but did not
+        write through ``written``'s writer (a DCP that opened it some other way) is read back."""
         try:
             referenced = {info.relative_path for info in metadata.storage_data.values()}
             referenced.add(commit.DCP_METADATA_NAME)
-            self._drop_empty_buckets(path, referenced)
+            self._drop_empty_buckets(path, referenced, written)
             hashes = {}
             for name in self._own_files(referenced):
                 if not commit.valid_file_name(name):
                     return {}, f"DCP wrote {name!r}, which a commit marker cannot list"
-                hashes[name] = hash_file(os.path.join(path, name))
+                hashes[name] = written.get(name) or hash_file(os.path.join(path, name))
             return hashes, None
         except Exception as e:
             return {}, f"hashing failed: {describe_error(e)}"
@@ -388,6 +399,7 @@ class ShardedWriter:
         self,
         path: str,
         metadata: Any,
+        written: Written,
         step: int,
         generation: int,
         rank_meta: dict[str, Any],
@@ -395,9 +407,9 @@ class ShardedWriter:
         fence: Callable[[], None] | None,
         group: Any,
     ) -> CheckpointInfo:
-        """Stages 3 and 4: hash, gather, rank 0 writes the marker, every rank learns the
+        """Stages 3 and 4: gather the hashes, rank 0 writes the marker, every rank learns the
         outcome."""
-        hashes, problem = self._hash_own(path, metadata)
+        hashes, problem = self._hash_own(path, metadata, written)
         contribution = {"rank": self.rank, "files": hashes, "problem": problem, **rank_meta}
         gathered = self._gather(contribution, group)
         outcome: dict[str, Any] = {}
@@ -496,18 +508,6 @@ def _marker_meta(gathered: list[dict[str, Any]], meta: dict[str, Any]) -> dict[s
         "ranks": ranks,
     }
     return json.loads(json.dumps(out, default=_write._json_default, allow_nan=True))
-
-
-def _require_local(path: str) -> None:
-    """Raise :class:`CheckpointError` unless ``path`` is a plain path: DCP's
-    ``FileSystemWriter`` writes the shards with ``os``, and would take ``s3://bucket/x`` for a
-    local directory named ``s3:``."""
-    scheme = scheme_of(path)
-    if scheme not in ("", "file"):
-        raise CheckpointError(
-            f"sharded checkpoints cannot be written to {scheme}:// yet (replicated ones can); "
-            "use a local or shared directory"
-        )
 
 
 def _publish_marker(path: str, text: str) -> None:

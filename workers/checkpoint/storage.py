@@ -41,6 +41,7 @@ from .files import Kind, NotRegularFile
 
 __all__ = [
     "CHUNK_BYTES",
+    "LOCAL_SCHEMES",
     "OBJECT_STORE_SCHEMES",
     "TMP_PREFIX",
     "Entry",
@@ -51,6 +52,7 @@ __all__ = [
     "Storage",
     "UnknownScheme",
     "hash_stream",
+    "local_path",
     "register",
     "remove_quietly",
     "require_file",
@@ -220,6 +222,17 @@ def _exists(path: str) -> FileExistsError:
 def _local(path: str) -> str:
     """A ``file://`` URL's path; a plain path as it is."""
     return path[len("file://") :] if path[:7].lower() == "file://" else path
+
+
+LOCAL_SCHEMES = ("", "file")
+"""The schemes of a place on a filesystem: a plain path (``""``) and ``file://``."""
+
+
+def local_path(path_or_url: str | os.PathLike[str]) -> str | None:
+    """The local path of a plain path or a ``file://`` URL; None for any other URL (an object
+    store's, served by another storage)."""
+    path = os.fspath(path_or_url)
+    return _local(path) if scheme_of(path) in LOCAL_SCHEMES else None
 
 
 def _stat_of(st: os.stat_result) -> Stat:

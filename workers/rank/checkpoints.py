@@ -13,10 +13,10 @@ Either way the checkpoint message answers the supervisor's checkpoint requests c
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from .. import checkpoint as ckpt
+from ..checkpoint.storage import storage_for
 from .reports import Fence, Reporter, Requests
 from .resume import LrScale
 from .sampling import Sampler
@@ -75,7 +75,7 @@ class Checkpoints:
         """One file with this rank's grade and latest layers; reported once written."""
         assert self.ckpt_dir is not None
         self._fence.check()
-        os.makedirs(self.ckpt_dir, exist_ok=True)
+        storage_for(self.ckpt_dir).make_dirs(self.ckpt_dir)  # a prefix on an object store: nothing
         full_meta = {
             **self._sampler.grade_meta(),
             "layers": self._sampler.layers(),
