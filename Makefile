@@ -13,6 +13,7 @@ TYPED := -p spikeguard.supervisor.decide.recovery -p spikeguard.workers.contract
 	-m spikeguard.supervisor.intake.collector -m spikeguard.supervisor.decide.events \
 	-m spikeguard.supervisor.journal -m spikeguard.supervisor.controller \
 	-m spikeguard.supervisor.intake.validate -m spikeguard.workers.checkpoint.files \
+	-m spikeguard.workers.checkpoint.location -m spikeguard.workers.checkpoint.mirror \
 	-m spikeguard.supervisor.redaction -m spikeguard.supervisor.launch.environment \
 	-m spikeguard.workers.checkpoint.choose -m spikeguard.workers.checkpoint.format \
 	-m spikeguard.workers.checkpoint.pickle_scan -m spikeguard.workers.checkpoint.integrity \
@@ -54,7 +55,7 @@ typecheck: setup
 	$(BIN)/mypy $(TYPED)
 
 test: setup lint typecheck
-	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 clean:
 	rm -rf $(VENV) runs build

@@ -306,17 +306,22 @@ def _event_line(ev: dict[str, Any], described: str) -> str:
 
 
 def _checkpoints(args: argparse.Namespace) -> int:
-    """Every checkpoint of a run: on disk (verified unless --no-verify) and deleted (journal)."""
-    from spikeguard.workers.checkpoint import choose
+    """Every checkpoint of a run: where it keeps them (verified unless --no-verify) and deleted
+    (journal)."""
+    from spikeguard.workers.checkpoint import choose, location
 
     from .journal import read_journal
     from .observe.checkpoint_table import render, rows
+    from .settings import RunPaths
 
     run = Path(args.run_dir)
-    ckpt_dir = run / "checkpoints"
-    if not ckpt_dir.is_dir() and not (run / "journal.jsonl").exists():
+    ckpt_dir = RunPaths.recorded(run).ckpt_dir
+    local = location.is_local(ckpt_dir) and Path(location.local_path(ckpt_dir)).is_dir()
+    recorded = (run / "journal.jsonl").exists() or (run / rundir.JOB_RECORD).exists()
+    if not recorded and not local:
         print(
-            f"spikeguard: no run in {args.run_dir} (no checkpoints/, no journal.jsonl)",
+            f"spikeguard: no run in {args.run_dir} (no checkpoints/, no journal.jsonl, no "
+            f"{rundir.JOB_RECORD})",
             file=sys.stderr,
         )
         return ExitCode.BAD_INPUT
@@ -458,8 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "checkpoints",
         help="every checkpoint of a run: kind, ranks, grade, size, verified or not, retention",
-        description="Lists RUN_DIR/checkpoints (each one verified: sizes, sha256, pickle scan) "
-        "and the checkpoints retention deleted, with the reason (from the journal).",
+        description="Lists the run's checkpoints (RUN_DIR/checkpoints, or the job's "
+        "checkpoints.dir as RUN_DIR/job.json recorded it: a path or s3://...), each one "
+        "verified (sizes, sha256, pickle scan), and the checkpoints retention deleted, with "
+        "the reason (from the journal).",
     )
     s.add_argument("run_dir")
     s.add_argument("--json", action="store_true", help="one JSON object per checkpoint")

@@ -75,7 +75,9 @@ def _writing(what: str) -> Iterator[None]:
 class Controller:
     """Runs one job until it completes, fails, escalates or is stopped.
 
-    ``settings`` are :class:`~.settings.ControllerSettings`'s fields, as keywords."""
+    ``checkpoints``: where the ranks' checkpoints are (the job's ``checkpoints.dir``
+    resolved; None: ``RUN_DIR/checkpoints``). ``settings`` are
+    :class:`~.settings.ControllerSettings`'s fields, as keywords."""
 
     def __init__(
         self,
@@ -89,10 +91,11 @@ class Controller:
         sinks: list[Sink] | None = None,
         on_tick: Callable[[Controller], None] | None = None,
         on_output: Callable[[RankPoll], None] | None = None,
+        checkpoints: str | None = None,
         **settings: Any,
     ) -> None:
         self.settings = s = ControllerSettings(**settings)
-        self.paths = RunPaths(Path(run_dir)).make()
+        self.paths = RunPaths(Path(run_dir), checkpoints).make()
         self.run_dir = self.paths.root
         self.stop_file = self.paths.stop_file
         self.group, self.engine = group, engine

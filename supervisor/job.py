@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from spikeguard.policies.loader import load_model_file, load_policy
+from spikeguard.workers.checkpoint import location
 from spikeguard.workers.contract.secret_scan import find_secret
 
 from .redaction import notify_variable
@@ -131,12 +132,13 @@ class NotifyJob(_Strict):
 
 
 class CheckpointRetention(_Strict):
-    """Which checkpoints the supervisor keeps (replicated and sharded alike). It decides each
-    time a rank reports a new checkpoint; each deletion is journaled (``checkpoint_deleted``).
-    The checkpoint the current generation was launched from, or a pending relaunch will load,
-    is never deleted, nor one a numerical rollback could choose. The defaults keep at most
-    3 + 2 × 2 checkpoints, plus those within the policy's ``min_steps_back`` of the newest, plus
-    that one. Saves that never finished are removed once nothing can still write them."""
+    """Where the run's checkpoints go, and which of them the supervisor keeps (replicated and
+    sharded alike). It decides each time a rank reports a new checkpoint; each deletion is
+    journaled (``checkpoint_deleted``). The checkpoint the current generation was launched
+    from, or a pending relaunch will load, is never deleted, nor one a numerical rollback could
+    choose. The defaults keep at most 3 + 2 × 2 checkpoints, plus those within the policy's
+    ``min_steps_back`` of the newest, plus that one. Saves that never finished are removed once
+    nothing can still write them."""
 
     keep_last: int = Field(3, ge=1)
     """The newest checkpoints on the run's lineage to keep, whatever their grade."""
@@ -150,6 +152,22 @@ class CheckpointRetention(_Strict):
     """What counts as healthy (None: the policy's ``recovery.min_grade``)."""
     enabled: bool = True
     """False: never delete a checkpoint (the disk use grows with the run)."""
+    dir: str | None = Field(None, min_length=1)
+    """Where the ranks write the checkpoints and the supervisor lists, verifies and deletes
+    them: a plain path (relative to where ``spikeguard submit`` runs, like ``run_dir``) or an
+    object store's URL, ``s3://bucket/runs/{name}`` (any fsspec URL of
+    :data:`~spikeguard.workers.checkpoint.storage.OBJECT_STORE_SCHEMES`; S3 needs
+    ``pip install 'spikeguard[s3]'``). ``{name}`` is substituted. The store's standard
+    environment variables set where the supervisor runs (``AWS_*`` for S3: keys, endpoint,
+    region) reach the ranks, and nothing else. None: ``RUN_DIR/checkpoints``."""
+
+    @field_validator("dir")
+    @classmethod
+    def _servable(cls, v: str | None) -> str | None:
+        why = None if v is None else location.problem(v)
+        if why:
+            raise ValueError(why)  # the loader's message names the field (checkpoints.dir)
+        return v
 
 
 class JobSpec(_Strict):
@@ -176,19 +194,20 @@ class JobSpec(_Strict):
     own (``should_checkpoint(every=)``, the Lightning callback's ``checkpoint_every``, the HF
     Trainer's ``save_steps``), with a warning when they differ."""
     checkpoints: CheckpointRetention = CheckpointRetention()
-    """Checkpoint retention: how many to keep, and which."""
+    """Where the checkpoints go (``dir``), and how many to keep, and which."""
     sample_every: int | None = Field(None, ge=1)
     """Probe interval override, exported as SPIKEGUARD_SAMPLE_EVERY."""
     policy: str = "default"
     """A policy file (relative to the job file) or a built-in name: default, conservative,
     aggressive."""
     env: dict[str, str] = {}
+    """Extra environment variables for the ranks (never secrets: those stay in your environment)."""
     pass_env: list[str] = []
     """Names of variables of the supervisor's environment the ranks need although they look like
     secrets (``WANDB_API_KEY``, ``HF_TOKEN``): passed as they are. Every other secret in the
-    supervisor's environment is withheld from the ranks, and its own notification settings
-    (``SLACK_BOT_TOKEN``, ``SPIKEGUARD_SLACK_*``) never pass."""
-    """Extra environment variables for the ranks (never secrets: those stay in your environment)."""
+    supervisor's environment is withheld from the ranks (except the checkpoint store's own
+    variables: see ``checkpoints.dir``), and its own notification settings (``SLACK_BOT_TOKEN``,
+    ``SPIKEGUARD_SLACK_*``) never pass."""
     timeouts: Timeouts = Timeouts()
     """Hang detection and kill settings."""
     ray: RaySettings = RaySettings()
@@ -240,6 +259,18 @@ class JobSpec(_Strict):
 
     def resolved_run_dir(self, base: str | os.PathLike[str] = ".") -> Path:
         return Path(base, self.run_dir.replace("{name}", self.name)).resolve()
+
+    def resolved_checkpoints_dir(self, base: str | os.PathLike[str] = ".") -> str | None:
+        """``checkpoints.dir`` with ``{name}`` substituted: a local place as an absolute path
+        (against ``base``, a ``file://`` URL's path), an object store's URL without a trailing
+        ``/``; None when the job leaves it to ``RUN_DIR/checkpoints``."""
+        place = self.checkpoints.dir
+        if place is None:
+            return None
+        place = place.replace("{name}", self.name)
+        if location.is_local(place):
+            return str(Path(base, location.local_path(place)).resolve())
+        return place.rstrip("/")
 
 
 def load_job(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> JobSpec:

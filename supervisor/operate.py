@@ -151,7 +151,9 @@ def resumable(run: Path, state: rc.State, *, verify: bool = True) -> list[Any]:
     verifying reads every file; the resume verifies its choice)."""
     from spikeguard.workers.checkpoint import choose
 
-    listed = choose.list_checkpoints(run / "checkpoints")
+    from .settings import RunPaths
+
+    listed = choose.list_checkpoints(RunPaths.recorded(run).ckpt_dir)
     usable: list[Any] = []
     for info in sorted(listed, key=lambda i: (i.step, i.generation)):
         if state.lineage and not choose.on_lineage(state.lineage, info.generation, info.step):

@@ -3,15 +3,19 @@ the sinks (from their registry) and the controller. The thin layer under ``spike
 
 from __future__ import annotations
 
+import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from spikeguard.workers import contract
+from spikeguard.workers.checkpoint import location
 from spikeguard.workers.checkpoint.retention import RetentionSettings
+from spikeguard.workers.checkpoint.storage import UnknownScheme, storage_for
 from spikeguard.workers.contract.exitcodes import ExitCode
 from spikeguard.workers.contract.logs import logger
+from spikeguard.workers.contract.secret_scan import redact
 
 from . import rundir
 from .controller import Controller
@@ -23,6 +27,8 @@ from .journal import JOURNAL_NAME, read_journal
 from .launch.group import GroupSpec, WorkerGroup, python_cmd
 from .launch.ray_init import init_ray
 from .observe.status import finished, fold_journal
+from .redaction import held_secrets
+from .settings import RunPaths
 from .sinks import SinkSet, build_sinks, destinations
 from .sinks.console import LiveView
 from .sinks.metrics import start_metrics
@@ -33,7 +39,9 @@ log = logger(__name__)
 
 __all__ = [
     "attach_sinks",
+    "checkpoint_store_problem",
     "finished_outcome",
+    "launch_environment",
     "make_notifiers",
     "release_sinks",
     "replayable",
@@ -41,6 +49,7 @@ __all__ = [
     "run_job",
     "start_metrics",
     "ticks",
+    "with_checkpoints_resolved",
 ]
 
 
@@ -124,6 +133,55 @@ def retention_settings(job: JobSpec, policy: Any) -> RetentionSettings | None:
     )
 
 
+def with_checkpoints_resolved(job: JobSpec) -> JobSpec:
+    """``job`` with its ``checkpoints.dir`` resolved (:meth:`JobSpec.resolved_checkpoints_dir`):
+    what the supervisor uses and ``RUN_DIR/job.json`` records, so that every command given the
+    RUN_DIR later finds the checkpoints (:meth:`RunPaths.recorded`) without the job file or
+    the directory it was submitted from."""
+    place = job.resolved_checkpoints_dir()
+    if place is None or place == job.checkpoints.dir:
+        return job
+    return job.model_copy(update={"checkpoints": job.checkpoints.model_copy(update={"dir": place})})
+
+
+def checkpoint_store_problem(place: str, environ: Mapping[str, str]) -> str | None:
+    """Why the run cannot use its checkpoint location ``place``, in one line naming it (never a
+    credential: the values ``environ`` holds in confidence are blanked), or None when it can. It
+    is listed through its storage: nothing there yet (``FileNotFoundError``) is fine; a store
+    that cannot be reached, a missing bucket, refused credentials or a backend that is not
+    installed (:class:`UnknownScheme`) is a problem."""
+    try:
+        storage_for(place).listdir(place)
+    except FileNotFoundError:
+        return None
+    except UnknownScheme as e:
+        why = str(e)
+    except OSError as e:
+        why = str(e.strerror or e)
+    else:
+        return None
+    text = f"the checkpoint location {place} cannot be used ({why}); no rank was started"
+    return redact(text, held_secrets(environ))
+
+
+def launch_environment(job: JobSpec, ckpt_dir: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables every launch sends the ranks (the agents add them to the environment they
+    filter, :func:`~.launch.environment.rank_environment`): the checkpoint store's standard
+    variables that ``environ`` (the supervisor's) sets (:func:`.location.store_environment`:
+    ``AWS_*`` for ``s3://``, credentials included, since on a remote cluster the ranks' nodes
+    do not have the supervisor's environment), the job's ``env`` (which wins) and the
+    ``SPIKEGUARD_*`` settings. Never journaled nor printed: it lives in memory, and in the
+    ranks' environment."""
+    env = location.store_environment(ckpt_dir, environ)
+    env.update({k: str(v) for k, v in job.env.items()})
+    env[contract.ENV_BACKEND] = job.resolved_backend()
+    if job.checkpoint_every:
+        env[contract.ENV_CKPT_EVERY] = str(job.checkpoint_every)
+    if job.sample_every:
+        env[contract.ENV_SAMPLE_EVERY] = str(job.sample_every)
+    return env
+
+
 def finished_outcome(events: list[dict[str, Any]]) -> rc.State | None:
     """The folded state if the journal ends the run (completed, failed, escalated, stopped)."""
     st = rc.fold(events)
@@ -179,8 +237,10 @@ def resume_waits(run_dir: Path) -> bool:
 
 
 def record_job(job: JobSpec, run_dir: Path) -> None:
-    """``RUN_DIR/job.json``: the job as this supervisor runs it, so ``spikeguard resume`` can
-    supervise the run again without its job file (best effort: the journal is the record)."""
+    """``RUN_DIR/job.json``: the job as this supervisor runs it (its ``checkpoints.dir``
+    resolved), so ``spikeguard resume`` can supervise the run again without its job file and
+    every command given the RUN_DIR finds its checkpoints (best effort: the journal is the
+    record)."""
     try:
         rundir.write_atomic(run_dir / rundir.JOB_RECORD, job.model_dump_json(indent=1))
     except OSError as e:
@@ -199,7 +259,9 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
     from spikeguard.policies import Engine
 
     policy = load_job_policy(job)
+    job = with_checkpoints_resolved(job)
     run_dir = job.resolved_run_dir()
+    paths = RunPaths(run_dir, job.checkpoints.dir)
     lock: IO[str] | None = None
     locked: Exception | None = None
     try:  # the lock first: the journal read next is the one this supervisor continues
@@ -219,6 +281,11 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
             rundir.prepare(run_dir)
         except (rundir.UnsafePath, OSError) as e:
             log.warning("%s", e)
+            code = ExitCode.BAD_INPUT
+    if code is None:  # a store that cannot be reached: said now, before any rank starts
+        problem = checkpoint_store_problem(paths.ckpt_dir, os.environ)
+        if problem is not None:
+            log.error("%s", problem)
             code = ExitCode.BAD_INPUT
     if code is not None:
         if lock is not None:
@@ -241,12 +308,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
         run_id=job.name,
         run_dir=str(run_dir),
     )
-    env = {k: str(v) for k, v in job.env.items()}
-    env[contract.ENV_BACKEND] = job.resolved_backend()
-    if job.checkpoint_every:
-        env[contract.ENV_CKPT_EVERY] = str(job.checkpoint_every)
-    if job.sample_every:
-        env[contract.ENV_SAMPLE_EVERY] = str(job.sample_every)
+    env = launch_environment(job, paths.ckpt_dir, os.environ)
     ctl: Controller | None = None
     sinks: SinkSet | None = None
     interrupted = False
@@ -275,6 +337,7 @@ def run_job(job: JobSpec, *, live: bool = True) -> int:
             standby=job.standby,
             batch_ids_wait_s=t.batch_ids_s,
             retention_settings=retention_settings(job, policy),
+            checkpoints=job.checkpoints.dir,
         )
         sinks = attach_sinks(ctl, job, policy, events, live=live)
         # SIGTERM is a preemption (pod eviction, spot reclaim, `ray job stop`): an emergency

@@ -7,11 +7,15 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from pathlib import Path
 
+from spikeguard.workers.checkpoint import location
 from spikeguard.workers.checkpoint.retention import RetentionSettings
 
 from .decide import recovery as rc
+from .rundir import JOB_RECORD
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,15 +54,40 @@ class ControllerSettings:
     """Which checkpoints to keep; None: never delete a checkpoint."""
 
 
+CHECKPOINTS = "checkpoints"
+"""The checkpoint directory's name in the run directory, where a job does not say
+(``checkpoints.dir``)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RunPaths:
-    """Where a run's files are, below its run directory."""
+    """Where a run's files are: below its run directory, its checkpoints wherever the job put
+    them."""
 
     root: Path
+    checkpoints: str | None = None
+    """Where the checkpoints are, as the job's ``checkpoints.dir`` resolved (an absolute path or
+    an object store's URL); None: ``RUN_DIR/checkpoints``."""
+
+    @classmethod
+    def recorded(cls, root: str | os.PathLike[str]) -> RunPaths:
+        """The paths of the run in ``root`` as the run recorded them: its checkpoints where
+        ``RUN_DIR/job.json`` says (``checkpoints.dir``, recorded resolved), else (no record, an
+        older one, one that cannot be read) ``RUN_DIR/checkpoints``. What every command given a
+        RUN_DIR reads."""
+        run = Path(root)
+        try:
+            doc = json.loads((run / JOB_RECORD).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            doc = None
+        spec = doc.get("checkpoints") if isinstance(doc, dict) else None
+        place = spec.get("dir") if isinstance(spec, dict) else None
+        return cls(run, place if isinstance(place, str) and place else None)
 
     @property
-    def ckpt_dir(self) -> Path:
-        return self.root / "checkpoints"
+    def ckpt_dir(self) -> str:
+        """The checkpoint directory: a path, or an object store's URL (``s3://...``)."""
+        return self.checkpoints or str(self.root / CHECKPOINTS)
 
     @property
     def plans_dir(self) -> Path:
@@ -77,8 +106,12 @@ class RunPaths:
         return self.root / "reports.jsonl"
 
     def make(self) -> RunPaths:
-        """Create the directories a supervised run writes to."""
-        for d in (self.root, self.ckpt_dir, self.plans_dir):
+        """Create the directories a supervised run writes to (the checkpoint directory where it
+        is local: an object store's prefix exists once something is written under it)."""
+        dirs = [self.root, self.plans_dir]
+        if location.is_local(self.ckpt_dir):
+            dirs.append(Path(location.local_path(self.ckpt_dir)))
+        for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
         return self
 

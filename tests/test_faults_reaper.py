@@ -13,15 +13,17 @@ from conftest import alive
 from spikeguard.supervisor.launch import reaper
 
 
-def spawn(ckpt_dir: str, gen: int) -> subprocess.Popen:
-    env = dict(os.environ, SPIKEGUARD_CKPT_DIR=ckpt_dir, SPIKEGUARD_GENERATION=str(gen), RANK="1")
+def spawn(fence_file: str, gen: int) -> subprocess.Popen:
+    env = dict(
+        os.environ, SPIKEGUARD_FENCE_FILE=fence_file, SPIKEGUARD_GENERATION=str(gen), RANK="1"
+    )
     return subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(600)"], env=env, start_new_session=True
     )
 
 
 def test_stale_generations_of_this_run_are_killed_even_when_stopped(tmp_path):
-    mine, other = str(tmp_path / "run" / "checkpoints"), str(tmp_path / "other" / "checkpoints")
+    mine, other = str(tmp_path / "run" / "FENCE"), str(tmp_path / "other" / "FENCE")
     old, stopped, current, foreign = spawn(mine, 1), spawn(mine, 2), spawn(mine, 3), spawn(other, 1)
     try:
         os.kill(stopped.pid, signal.SIGSTOP)

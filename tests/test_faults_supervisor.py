@@ -95,7 +95,7 @@ def test_a_supervisor_killed_mid_recovery_and_mid_training_resumes_from_the_jour
                 "notify_thread",
             ):
                 break
-            for proc in reaper.find(str(run_dir / "checkpoints"), 10**9):
+            for proc in reaper.find(str(run_dir / "FENCE"), 10**9):
                 os.kill(proc["pid"], signal.SIGKILL)  # the lost try's ranks, if its Ray left any
             fake.messages.clear()  # the next try's Slack story starts afresh
             fake.calls.clear()
@@ -187,9 +187,7 @@ def test_a_supervisor_killed_mid_recovery_and_mid_training_resumes_from_the_jour
     assert all(m["lr_scale"] == pytest.approx(0.5) for m in restart_gen if m["type"] == "resumed")
     steps3 = [m["step"] for m in restart_gen if m["type"] in ("heartbeat", "report")]
     assert min(steps3) == resume["checkpoint_step"] + 1
-    assert (
-        reaper.find(str(run_dir / "checkpoints"), 10**9) == []
-    )  # nothing of the run is left running
+    assert reaper.find(str(run_dir / "FENCE"), 10**9) == []  # nothing of the run is left running
     # one Slack thread for the incident, across three supervisors
     threads = [
         r for r in roots if r.get("thread_ts") is None and "Run completed" not in r.get("text", "")

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 def leftovers(run_dir: Path) -> list[dict]:
     """Processes of this run still alive on this machine (ranks and standbys)."""
-    return reaper.find(str(run_dir / "checkpoints"), 1 << 62)
+    return reaper.find(str(run_dir / "FENCE"), 1 << 62)
 
 
 @pytest.mark.parametrize("delivery", ["supervisor", "process group"])

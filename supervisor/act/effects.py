@@ -203,7 +203,7 @@ class Effects:
                 env=self.env,
                 plan_path=plan_path,
                 fence_file=str(self.paths.fence_file),
-                ckpt_dir=str(self.paths.ckpt_dir),
+                ckpt_dir=self.paths.ckpt_dir,
             )
         except LaunchError as e:
             return rc.LaunchFailed(f"launching generation {gen} failed: {e}")

@@ -66,7 +66,7 @@ def keep_standby(
         cmd=cmd,
         env=env,
         fence_file=str(paths.fence_file),
-        ckpt_dir=str(paths.ckpt_dir),
+        ckpt_dir=paths.ckpt_dir,
     )
     return None if change is None else events.standby_event(change, _incident_id(state))
 
@@ -74,9 +74,10 @@ def keep_standby(
 def reap(
     paths: RunPaths, below_generation: int, why: str, *, remote: bool, incident: Any
 ) -> dict[str, Any] | None:
-    """Kill rank processes of generations below ``below_generation`` left running (by the pid
-    files in the checkpoint directory); the ``reaped`` event if any were found."""
-    found = reaper.reap(str(paths.ckpt_dir), below_generation, remote=remote)
+    """Kill rank processes of generations below ``below_generation`` left running (told apart by
+    the run's checkpoint directory in their environment); the ``reaped`` event if any were
+    found."""
+    found = reaper.reap(str(paths.fence_file), below_generation, remote=remote)
     if not found:
         return None
     return events.reaped_event(found, why, incident.id if incident else None)

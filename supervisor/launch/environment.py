@@ -6,6 +6,11 @@ supervisor holds in confidence: the agent's environment (on an embedded Ray, the
 (a secret by name or by value, the supervisor's notification settings), plus the job's and the
 launcher's variables.
 
+The one credential the supervisor sends on purpose is its checkpoint store's: when the job's
+``checkpoints.dir`` is an object store's URL, the values of that store's standard variables
+(``AWS_*`` for S3, :data:`spikeguard.workers.checkpoint.location.STORE_VARIABLES`) travel with
+each launch, since on a remote cluster the agent's environment is not the supervisor's.
+
 A training script that needs a credential of its own (``HF_TOKEN``, ``WANDB_API_KEY``) gets it
 only when the job names it in ``pass_env`` (the supervisor's notification settings never pass),
 or reads it from where that library keeps it on disk (``~/.cache/huggingface/token``,
@@ -32,7 +37,8 @@ def rank_environment(
     ``AWS_SECRET_ACCESS_KEY``, a value shaped like a token or webhook URL, …); ``PATH``,
     ``OMP_NUM_THREADS``, ``HF_HOME`` and the like pass. ``job_env``: what the supervisor sends
     for the rank (the job file's ``env``, which the job loader already refuses secrets in, and
-    the torchrun and ``SPIKEGUARD_*`` variables of this launch). ``launcher_env``: what the agent
+    the torchrun and ``SPIKEGUARD_*`` variables of this launch, and the checkpoint store's
+    variables the supervisor holds, credentials included). ``launcher_env``: what the agent
     adds (its report socket). ``passed``: names the job lets through although they look secret
     (the job's ``pass_env``); a notification setting of the supervisor never passes. Later
     mappings win; none of the inputs is changed.

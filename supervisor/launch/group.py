@@ -75,7 +75,7 @@ class WorkerGroup:
         self._standby_failures = 0
         self._standby_off: str | None = None
         """Why standby was given up for the run (None: it is not)."""
-        self._ckpt_dir: str | None = None
+        self._fence_file: str | None = None
         """The run's checkpoint directory, as its ranks got it: it tells their processes apart
         from every other process of the node (:mod:`.reaper`)."""
         self.on_wait: WaitReport | None = None
@@ -221,7 +221,7 @@ class WorkerGroup:
     ) -> list[Any]:
         """One ``agent.<method>`` call per rank (``start`` or ``start_standby``), each with its
         rank's environment and log file."""
-        self._ckpt_dir = ckpt_dir
+        self._fence_file = fence_file
         envs = self._rank_envs(
             generation=generation,
             port=port,
@@ -580,7 +580,7 @@ class WorkerGroup:
     def _kill_local(self) -> list[dict[str, Any]]:
         """SIGKILL every process of this run on this node (ranks and standbys of any
         generation, told apart by their environment: :mod:`.reaper`); what was killed."""
-        return reaper.kill_stale(self._ckpt_dir, ALL_GENERATIONS) if self._ckpt_dir else []
+        return reaper.kill_stale(self._fence_file, ALL_GENERATIONS) if self._fence_file else []
 
     def _kill_here(self, t0: float) -> KillReport:
         """Ray is gone: SIGKILL this run's rank processes on this node by pid (standbys too),

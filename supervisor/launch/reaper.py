@@ -8,8 +8,9 @@ its reports by generation), and this module kills it by pid as soon as its
 host is reachable: before every launch and every ``reap_interval_s``.
 
 A process belongs to a run when its environment has the run's
-``SPIKEGUARD_CKPT_DIR`` (an absolute path inside the run directory, so two
-runs never match each other) and a ``SPIKEGUARD_GENERATION``; reading
+``SPIKEGUARD_FENCE_FILE`` (``RUN_DIR/FENCE``, an absolute path, so two runs
+never match each other; their checkpoint directory may be one URL of an
+object store) and a ``SPIKEGUARD_GENERATION``; reading
 ``/proc/PID/environ`` identifies it exactly, so a recycled pid is never
 killed by mistake. Linux only (elsewhere nothing is found).
 """
@@ -46,9 +47,9 @@ def _state(pid: int) -> str:
         return "?"
 
 
-def find(ckpt_dir: str, below_generation: int) -> list[dict[str, Any]]:
-    """This host's processes of the run with ``ckpt_dir`` whose generation is below
-    ``below_generation``."""
+def find(fence_file: str, below_generation: int) -> list[dict[str, Any]]:
+    """This host's processes of the run whose fence file is ``fence_file`` and whose
+    generation is below ``below_generation``."""
     out = []
     me = os.getpid()
     try:
@@ -59,7 +60,7 @@ def find(ckpt_dir: str, below_generation: int) -> list[dict[str, Any]]:
         if pid == me:
             continue
         env = _environ(pid)
-        if env.get(contract.ENV_CKPT_DIR) != ckpt_dir:
+        if env.get(contract.ENV_FENCE_FILE) != fence_file:
             continue
         try:
             gen = int(env.get(contract.ENV_GENERATION, ""))
@@ -78,11 +79,11 @@ def find(ckpt_dir: str, below_generation: int) -> list[dict[str, Any]]:
     return out
 
 
-def kill_stale(ckpt_dir: str, below_generation: int) -> list[dict[str, Any]]:
+def kill_stale(fence_file: str, below_generation: int) -> list[dict[str, Any]]:
     """SIGKILL (works on stopped processes too) what :func:`find` returns; returns what was
     killed."""
     killed = []
-    for proc in find(ckpt_dir, below_generation):
+    for proc in find(fence_file, below_generation):
         pid = proc["pid"]
         try:
             if os.getpgid(pid) == pid:
@@ -96,14 +97,14 @@ def kill_stale(ckpt_dir: str, below_generation: int) -> list[dict[str, Any]]:
 
 
 def reap(
-    ckpt_dir: str, below_generation: int, *, remote: bool = True, timeout_s: float = 20.0
+    fence_file: str, below_generation: int, *, remote: bool = True, timeout_s: float = 20.0
 ) -> list[dict[str, Any]]:
     """Kill the run's stale processes on this host and, with Ray up, on every other live host.
 
     One Ray task per distinct host address (num_cpus=0, pinned to a node there); hosts that do
     not answer within ``timeout_s`` are skipped this time (they are tried again next sweep).
     """
-    found = kill_stale(ckpt_dir, below_generation)
+    found = kill_stale(fence_file, below_generation)
     if not remote:
         return found
     try:
@@ -124,7 +125,7 @@ def reap(
         refs = [
             task.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nid, soft=False)
-            ).remote(ckpt_dir, below_generation)
+            ).remote(fence_file, below_generation)
             for nid in targets.values()
         ]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)

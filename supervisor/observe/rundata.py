@@ -2,7 +2,8 @@
 
 :func:`load_run` reads ``journal.jsonl`` (the story), ``reports.jsonl`` or, as recordings keep
 it, ``reports.jsonl.gz`` (every accepted rank message, streamed and folded per generation and
-step, so a long run never sits in memory whole), the checkpoints' sidecars (torch-free:
+step, so a long run never sits in memory whole), the checkpoints' sidecars where the run
+recorded its checkpoints (torch-free:
 :func:`~spikeguard.workers.checkpoint.choose.list_checkpoints`) and the incidents' batch-ids
 files. A part that is missing or cannot be read is left out and said in ``problems``; a torn or
 malformed line costs that line only.
@@ -33,6 +34,7 @@ from spikeguard.workers.contract.signals import LAYER_SIGNALS, worse
 from ..decide import recovery as rc
 from ..intake import forensics
 from ..journal import read_events
+from ..settings import RunPaths
 from .metrics import badness
 
 HEATMAP_SIGNALS = ("grade", "attn_entropy_min_norm")
@@ -243,7 +245,7 @@ def load_run(run_dir: str | Path) -> RunData:
         _finish(g)
         for series in g.series.values():
             kept.update((name, s.order) for name, s in series.items())
-    ckpts = list_checkpoints(run / "checkpoints")
+    ckpts = list_checkpoints(RunPaths.recorded(run).ckpt_dir)
     names = [e.get("run") for e in events if isinstance(e.get("run"), str)]
     return RunData(
         run_dir=run,
