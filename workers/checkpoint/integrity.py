@@ -50,19 +50,28 @@ def open_checked(
             actual, n_bytes = hash_stream(f)
         except OSError as e:
             raise CheckpointError(f"{path}: reading failed: {e}") from e
-        if n_bytes == 0:
-            raise CorruptCheckpointError(f"{path} is empty")
-        if size is not None and n_bytes != size:
-            raise CorruptCheckpointError(
-                f"{path}: size mismatch: {n_bytes} bytes, expected {size} (truncated?)"
-            )
-        for source, want in sha256s:
-            if actual != want.lower():
-                raise CorruptCheckpointError(
-                    f"{path}: sha256 mismatch: file {actual}, {source} {want}"
-                )
+        check_hashed(path, actual, n_bytes, sha256s, size)
         f.seek(0)
         yield f
+
+
+def check_hashed(
+    path: str, actual: str, n_bytes: int, sha256s: Sequence[tuple[str, str]], size: int | None
+) -> None:
+    """Raise :class:`CorruptCheckpointError` unless the file at ``path``, whose bytes hashed to
+    ``actual`` (hex sha256) and numbered ``n_bytes``, is not empty and matches ``size`` (None:
+    no size check) and each (source, hex digest) of ``sha256s``. What :func:`open_checked`
+    checks, for a caller that hashed the bytes as they streamed elsewhere (a download, an
+    upload: :mod:`.mirror`)."""
+    if n_bytes == 0:
+        raise CorruptCheckpointError(f"{path} is empty")
+    if size is not None and n_bytes != size:
+        raise CorruptCheckpointError(
+            f"{path}: size mismatch: {n_bytes} bytes, expected {size} (truncated?)"
+        )
+    for source, want in sha256s:
+        if actual != want.lower():
+            raise CorruptCheckpointError(f"{path}: sha256 mismatch: file {actual}, {source} {want}")
 
 
 def hash_file(path: str, *, storage: Storage | None = None) -> tuple[str, int]:

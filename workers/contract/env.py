@@ -60,6 +60,14 @@ ENV_CKPT_DIR = "SPIKEGUARD_CKPT_DIR"
 """Directory where ``Session.save_checkpoint`` writes. Unset: the ``ckpt_dir=`` argument of
 ``attach``."""
 
+ENV_STAGE_DIR = "SPIKEGUARD_STAGE_DIR"
+"""A local directory (on each node) where a framework that writes its own checkpoint directories
+(the Hugging Face ``Trainer``) writes them while :data:`ENV_CKPT_DIR` is a remote URL
+(``s3://...``): spikeguard commits each there, publishes it to the store and removes it; a resume
+pulls the plan's checkpoint into it. The launcher never sets it (a job's ``env`` may). Unset: the
+callback's ``stage_dir=``, else ``spikeguard-stage`` in the temp directory (``$TMPDIR``). It needs
+room for one checkpoint, more with the callback's ``keep_staged``."""
+
 ENV_RESUME = "SPIKEGUARD_RESUME"
 """Path of a JSON file holding a :class:`~.plan.ResumePlan`: what the supervisor decided at this
 launch. Unset: a fresh start."""

@@ -35,6 +35,18 @@ What the callback does, on every rank:
   grade), unless its generation was fenced. The supervisor lists and verifies these directories
   like any checkpoint; one without a marker, or whose files no longer match it, is never chosen.
   Under the supervisor the Trainer's ``output_dir`` is pointed at the run's checkpoint directory.
+* **A remote checkpoint directory** (``SPIKEGUARD_CKPT_DIR=s3://bucket/prefix``, or an
+  ``output_dir`` that is a URL): the Trainer cannot write there, so its ``output_dir`` becomes a
+  local staging directory (:func:`~spikeguard.workers.checkpoint.mirror.staging_dir`: under
+  ``SPIKEGUARD_STAGE_DIR``, else ``stage_dir=``, else ``$TMPDIR/spikeguard-stage``; one per
+  run and generation, shared by the ranks of a node). Each ``checkpoint-N`` is committed there as
+  above, then rank 0 publishes it to ``PREFIX/checkpoint-N`` (every file, then the marker last:
+  :func:`~spikeguard.workers.checkpoint.mirror.publish_tree`) and reports the remote path, so the
+  supervisor's listing, retention and rollback see the store; the staged copy is removed then
+  (``keep_staged`` keeps the newest ones). A rollback pulls the plan's checkpoint into staging,
+  verified against its checksum (:func:`~spikeguard.workers.checkpoint.mirror.pull_tree`; a copy
+  an earlier generation kept on the node is reused), and the Trainer resumes from that local
+  copy. A final ``trainer.save_model()`` without a directory goes to the staging directory.
 * **Honours the supervisor's checkpoint requests**: ``should_checkpoint`` is asked collectively
   at every step (one all-reduce of an integer on spikeguard's own gloo group), so every rank sets
   ``control.should_save`` at the same step.
@@ -57,15 +69,17 @@ import enum
 import functools
 import inspect
 import os
+import tempfile
 from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..checkpoint import commit as _commit
-from ..checkpoint import trainer_commit
+from ..checkpoint import mirror, trainer_commit
 from ..checkpoint.format import CheckpointError
-from ..contract.env import ENV_CKPT_DIR, ENV_CKPT_EVERY
+from ..checkpoint.storage import scheme_of
+from ..contract.env import ENV_CKPT_DIR, ENV_CKPT_EVERY, ENV_STAGE_DIR
 from ..contract.logs import logger
 from ..session import Session, StaleGenerationError, attach
 
@@ -154,6 +168,12 @@ class SpikeguardCallback(TrainerCallback):
         sample_every: probe every N steps (``SPIKEGUARD_SAMPLE_EVERY`` overrides).
         report: where reports go without a supervisor (``"jsonl:///path"``; default off).
         probe_patterns: keyword arguments of :class:`~spikeguard.workers.probes.Probes`.
+        stage_dir: where the Trainer's checkpoints are staged on each node while the checkpoint
+            directory is remote (``SPIKEGUARD_STAGE_DIR`` overrides; default
+            ``$TMPDIR/spikeguard-stage``).
+        keep_staged: how many of the newest published checkpoints stay in the staging directory
+            (0: each is removed once it is on the store); a rollback to one kept on the node
+            skips its download.
         session_kwargs: more keyword arguments of :func:`~spikeguard.workers.attach`.
     """
 
@@ -163,8 +183,12 @@ class SpikeguardCallback(TrainerCallback):
         sample_every: int = 200,
         report: str | None = None,
         probe_patterns: dict[str, Any] | None = None,
+        stage_dir: str | None = None,
+        keep_staged: int = 0,
         **session_kwargs: Any,
     ) -> None:
+        if keep_staged < 0:
+            raise ValueError(f"keep_staged must be >= 0, got {keep_staged}")
         self._attach_kwargs = {
             "sample_every": sample_every,
             "report": report,
@@ -178,26 +202,65 @@ class SpikeguardCallback(TrainerCallback):
         """What ``training_step`` returned in this step so far, added up (None: nothing yet)."""
         self._lr: float | None = None
         self._pending: dict[str, Any] | None = None
+        self._stage_root = stage_dir
+        self.keep_staged = keep_staged
+        """How many of the newest published checkpoints stay staged (see the class docstring)."""
+        self.remote: str | None = None
+        """The remote checkpoint directory (a URL) the Trainer's checkpoints are published to;
+        None: the Trainer writes into the checkpoint directory itself."""
+        self.stage: str | None = None
+        """The local staging directory the Trainer writes into while :attr:`remote` is set."""
+        self._pruned = False
 
     # -- the user's one call -----------------------------------------------------------------
     def resume_from_checkpoint(self) -> str | None:
         """The ``checkpoint-N`` directory the supervisor's plan rolls back to, verified against
         the plan's checksum, or None (a fresh start). Pass it to ``trainer.train``. Create the
-        Trainer (with this callback) first. Raises
-        :class:`~spikeguard.workers.checkpoint.CheckpointError` when the directory does not match
-        the plan (the rank exits; the supervisor falls back to an older checkpoint)."""
+        Trainer (with this callback) first. A checkpoint on a remote store is pulled into the
+        staging directory first, verified as it streams, and that local copy is returned.
+        Raises :class:`~spikeguard.workers.checkpoint.CheckpointError` when the directory does
+        not match the plan (the rank exits; the supervisor falls back to an older
+        checkpoint)."""
         plan = self._sg().framework.launch_plan()
         self._resume_dir = None
         if plan is None or not plan.checkpoint:
+            self._prune_generations()
             return None
         name = os.path.basename(os.path.normpath(plan.checkpoint))
         if _commit.parse_trainer_name(name) is None:
             raise CheckpointError(
                 f"the plan's checkpoint {plan.checkpoint} is not a Trainer checkpoint directory"
             )
-        trainer_commit.verify_for_resume(plan.checkpoint, plan.sha256)
+        if scheme_of(plan.checkpoint):
+            stage = self.stage or self._staging_for(os.path.dirname(plan.checkpoint.rstrip("/")))
+            local = mirror.pull_tree(
+                plan.checkpoint,
+                os.path.join(stage, name),
+                plan.sha256,
+                reuse=mirror.earlier_copies(stage, name),
+            )
+        else:
+            trainer_commit.verify_for_resume(plan.checkpoint, plan.sha256)
+            local = plan.checkpoint
+        self._prune_generations()
         self._resume_dir = plan.checkpoint
-        return plan.checkpoint
+        return local
+
+    def _staging_for(self, remote: str) -> str:
+        """This rank's staging directory for the remote checkpoint directory ``remote``."""
+        sg = self._sg()
+        root = os.environ.get(ENV_STAGE_DIR) or self._stage_root
+        if not root:
+            root = os.path.join(tempfile.gettempdir(), mirror.STAGE_SUBDIR)
+        return mirror.staging_dir(root, remote, run_id=sg.run_id, generation=sg.generation)
+
+    def _prune_generations(self) -> None:
+        """Once this generation runs (a standby was released), remove what the generations
+        before it staged on this node."""
+        if self.stage is not None and not self._pruned:
+            self._pruned = True
+            for path in mirror.prune_generations(self.stage):
+                log.info(f"removed {path}: staged by a generation that was replaced")
 
     def _sg(self) -> Session:
         if self.session is None:
@@ -216,14 +279,25 @@ class SpikeguardCallback(TrainerCallback):
         if model is None:
             return
         if self.session is not None:  # a second Trainer given the same callback (a notebook)
+            if self.stage is not None:
+                args.output_dir = self.stage
             _save_every(args, self.session.config.checkpoint_every)
             self._wrap_caller()
             return
         ckpt_dir = os.environ.get(ENV_CKPT_DIR)
-        if ckpt_dir and os.path.abspath(args.output_dir or "") != os.path.abspath(ckpt_dir):
-            # the supervisor scans the run's checkpoint directory for checkpoint-N
-            args.output_dir = ckpt_dir
-        self.session = attach(model, ckpt_dir=args.output_dir, **self._attach_kwargs)
+        remote = ckpt_dir or str(args.output_dir or "")
+        if scheme_of(remote):
+            # the Trainer writes with os: into staging, from where spikeguard publishes
+            self.session = attach(model, ckpt_dir=remote, **self._attach_kwargs)
+            self.remote = remote.rstrip("/")
+            self.stage = self._staging_for(self.remote)
+            os.makedirs(self.stage, exist_ok=True)
+            args.output_dir = self.stage
+        else:
+            if ckpt_dir and os.path.abspath(args.output_dir or "") != os.path.abspath(ckpt_dir):
+                # the supervisor scans the run's checkpoint directory for checkpoint-N
+                args.output_dir = ckpt_dir
+            self.session = attach(model, ckpt_dir=args.output_dir, **self._attach_kwargs)
         _save_every(args, self.session.config.checkpoint_every)
         self._wrap_caller()
 
@@ -284,6 +358,7 @@ class SpikeguardCallback(TrainerCallback):
     ) -> None:
         api = self._sg().framework
         plan = api.launch_plan()
+        self._prune_generations()
         start = state.global_step + 1
         inner = _inner(optimizer)
         if plan is None:
@@ -364,6 +439,8 @@ class SpikeguardCallback(TrainerCallback):
         directory = os.path.join(str(args.output_dir), f"{_commit.TRAINER_PREFIX}{step}")
         ranks = api.gather(api.grade_meta())  # also waits for every rank's part of the save
         if not state.is_world_process_zero:
+            if self.stage is not None:  # rank 0 may be committing this step's directory still
+                mirror.prune_staging(self.stage, busy=step, keep=self.keep_staged)
             return
         try:
             info = trainer_commit.commit_trainer_dir(
@@ -375,9 +452,15 @@ class SpikeguardCallback(TrainerCallback):
                 meta=api.checkpoint_meta(),
                 fence=api.check_fence,
             )
+            if self.remote is not None:
+                directory = os.path.join(self.remote, os.path.basename(directory))
+                info = mirror.publish_tree(info.path, directory, fence=api.check_fence)
         except (CheckpointError, StaleGenerationError, OSError) as e:
             log.warning(f"{directory} not committed: {e}")
             return
+        finally:
+            if self.stage is not None:
+                mirror.prune_staging(self.stage, busy=None, keep=self.keep_staged)
         api.report_checkpoint(info)
 
     def on_step_begin(

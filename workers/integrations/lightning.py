@@ -34,7 +34,9 @@ What the callback does, per hook:
   supervisor asks, decided by all ranks together (one all-reduce of one integer per step),
   ``trainer.save_checkpoint`` writes a Lightning checkpoint into the run's checkpoint directory
   under spikeguard's name, graded with the latest sample. Only global rank 0 writes (Lightning's
-  rule); a rank of a replaced generation cannot publish.
+  rule); a rank of a replaced generation cannot publish. The directory may be an object store
+  (``SPIKEGUARD_CKPT_DIR=s3://bucket/prefix``): the file is written straight to it and a
+  rollback loads it from there (``ckpt_path`` is the plan's URL), verified, with no local copy.
 
 Steps are counted as spikeguard counts them: the step a report or checkpoint is of is
 ``trainer.global_step - 1`` after the optimizer step (the first optimizer step is step 0), and a

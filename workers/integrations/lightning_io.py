@@ -18,6 +18,12 @@ Which files are spikeguard's: those in the session's checkpoint directory named 
 spikeguard checkpoint (``ckpt-step00000120-gen001-rank0.pt``, what the callback asks Lightning to
 save), and the file the resume plan names. Anything else (a ``ModelCheckpoint`` of the user's own,
 ``last.ckpt``) goes to the wrapped IO unchanged and is no rollback candidate.
+
+The checkpoint directory may be an object store (``SPIKEGUARD_CKPT_DIR=s3://bucket/prefix``):
+spikeguard's write and load paths go through its :class:`~..checkpoint.storage.Storage`, so a
+checkpoint is published to the store (data file, then sidecar, each write-once) and loaded back
+from it (verified, then unpickled from the same open object), with no local copy: a URL is
+compared as it is, never made a local path.
 """
 
 from __future__ import annotations
@@ -31,11 +37,19 @@ from lightning.fabric.plugins import CheckpointIO
 from .. import checkpoint as ckpt
 from ..checkpoint.format import parse_data_name
 from ..checkpoint.remove import remove_checkpoint
+from ..checkpoint.storage import scheme_of
 from ..session import Session
 
 LIGHTNING_STATE_KEY = "state_dict"
 """The key every Lightning checkpoint has (the module's weights); a file without it was written by
 a script of its own, not by ``Trainer.save_checkpoint``."""
+
+
+def _full(path: str | Path) -> str:
+    """``path`` made absolute, to compare it with another; a URL (``s3://bucket/key``) as it is
+    but for a trailing slash (``abspath`` would make it a local path)."""
+    path = os.fspath(path)
+    return path.rstrip("/") if scheme_of(path) else os.path.abspath(path)
 
 
 class SpikeguardCheckpointIO(CheckpointIO):
@@ -56,16 +70,16 @@ class SpikeguardCheckpointIO(CheckpointIO):
         plan = self.session.plan
         if plan is None or not plan.checkpoint:
             return None
-        return os.path.abspath(plan.checkpoint)
+        return _full(plan.checkpoint)
 
     def owns(self, path: str | Path) -> bool:
         """Whether ``path`` is a spikeguard checkpoint: named like one in the session's checkpoint
         directory, or the one the resume plan names."""
-        full = os.path.abspath(os.fspath(path))
+        full = _full(path)
         if full == self._plan_path():
             return True
         directory = self.session.ckpt_dir
-        if directory is None or os.path.dirname(full) != os.path.abspath(directory):
+        if directory is None or os.path.dirname(full) != _full(directory):
             return False
         return parse_data_name(os.path.basename(full)) is not None
 
@@ -89,9 +103,9 @@ class SpikeguardCheckpointIO(CheckpointIO):
             return
         if storage_options is not None:
             raise TypeError("spikeguard checkpoints take no storage_options")
-        full = os.path.abspath(os.fspath(path))
+        full = _full(path)
         parsed = parse_data_name(os.path.basename(full))
-        if parsed is None or os.path.dirname(full) != os.path.abspath(self.session.ckpt_dir or ""):
+        if parsed is None or os.path.dirname(full) != _full(self.session.ckpt_dir or ""):
             raise ckpt.CheckpointError(f"{full} is the plan's checkpoint: never written again")
         step, generation, rank = parsed
         if (generation, rank) != (self.session.generation, self.session.rank):
@@ -122,7 +136,7 @@ class SpikeguardCheckpointIO(CheckpointIO):
             return self.inner.load_checkpoint(
                 path, map_location=map_location, weights_only=weights_only
             )
-        full = os.path.abspath(os.fspath(path))
+        full = _full(path)
         if ckpt.is_sharded_path(full):
             raise ckpt.CheckpointError(
                 f"{full} is a sharded checkpoint; the Lightning integration resumes from the "
@@ -152,7 +166,7 @@ class SpikeguardCheckpointIO(CheckpointIO):
         if not self.owns(path):
             self.inner.remove_checkpoint(path)
             return
-        remove_checkpoint(os.path.abspath(os.fspath(path)))
+        remove_checkpoint(_full(path))
 
     def teardown(self) -> None:
         """The wrapped IO's clean-up."""
