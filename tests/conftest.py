@@ -232,6 +232,19 @@ def toy_job(
     )
 
 
+def plan_file(tmp: Path, info: Any, generation: int) -> str:
+    """A resume plan naming the checkpoint ``info`` (what the supervisor writes at a rollback),
+    written to ``tmp/plan-GENERATION.json``; its path."""
+    from spikeguard.workers import contract
+
+    path = tmp / f"plan-{generation}.json"
+    plan = contract.ResumePlan(
+        checkpoint=info.path, checkpoint_step=info.step, sha256=info.sha256, generation=generation
+    )
+    path.write_text(plan.to_json())
+    return str(path)
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (for MASTER_PORT)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

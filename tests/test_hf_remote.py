@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import plan_file
 from s3server import Bucket, s3, s3_server
 
 pytest.importorskip("transformers")
@@ -59,16 +60,6 @@ def _environment(monkeypatch: pytest.MonkeyPatch, tmp: Path, s3: Bucket, **env: 
     monkeypatch.setenv(contract.ENV_RUN_ID, "hf-remote")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-
-
-def _plan(tmp: Path, info: Any, generation: int) -> str:
-    """A resume plan file naming ``info`` (what the supervisor writes at a rollback)."""
-    path = tmp / f"plan-{generation}.json"
-    plan = contract.ResumePlan(
-        checkpoint=info.path, checkpoint_step=info.step, sha256=info.sha256, generation=generation
-    )
-    path.write_text(plan.to_json())
-    return str(path)
 
 
 def _trainer(
@@ -167,7 +158,7 @@ def test_trainer_checkpoints_go_to_s3_and_a_resume_pulls_one_back(
     # a rollback to checkpoint-2: generation 2 (other initial weights) pulls it from the store
     first = listed[0]
     monkeypatch.setenv(contract.ENV_GENERATION, "2")
-    monkeypatch.setenv(contract.ENV_RESUME, _plan(tmp_path, first, 2))
+    monkeypatch.setenv(contract.ENV_RESUME, plan_file(tmp_path, first, 2))
     trainer, sg2, resumed = _trainer(tmp_path, steps=4, seed=1)
     local = sg2.resume_from_checkpoint()
     assert local == os.path.join(sg2.stage, "checkpoint-2") and sg2.stage.endswith("gen002")
@@ -198,7 +189,7 @@ def test_a_kept_copy_is_reused_and_a_damaged_store_refused(
     key = f"{RUN}/checkpoint-2/model.safetensors"
     s3.put(key, b"\x00" * len(s3.get(key)))
     monkeypatch.setenv(contract.ENV_GENERATION, "2")
-    monkeypatch.setenv(contract.ENV_RESUME, _plan(tmp_path, info, 2))
+    monkeypatch.setenv(contract.ENV_RESUME, plan_file(tmp_path, info, 2))
     trainer, sg2, resumed = _trainer(tmp_path, steps=2, seed=1, keep_staged=1)
     local = sg2.resume_from_checkpoint()
     assert local == os.path.join(sg2.stage, "checkpoint-2") and not Path(sg.stage).exists()
@@ -207,13 +198,13 @@ def test_a_kept_copy_is_reused_and_a_damaged_store_refused(
     # with no copy on the node, the damaged store is refused before the Trainer sees anything
     mirror.prune_staging(sg2.stage, busy=None, keep=0)
     monkeypatch.setenv(contract.ENV_GENERATION, "3")
-    monkeypatch.setenv(contract.ENV_RESUME, _plan(tmp_path, info, 3))
+    monkeypatch.setenv(contract.ENV_RESUME, plan_file(tmp_path, info, 3))
     _, sg3, _ = _trainer(tmp_path, steps=2, seed=1)
     with pytest.raises(CorruptCheckpointError, match="sha256 mismatch"):
         sg3.resume_from_checkpoint()
     assert _staged(sg3.stage) == []
     # and a plan whose checksum is not the store's marker's
-    plan = json.loads(Path(_plan(tmp_path, info, 3)).read_text())
+    plan = json.loads(Path(plan_file(tmp_path, info, 3)).read_text())
     plan["sha256"] = "0" * 64
     Path(tmp_path / "plan-bad.json").write_text(json.dumps(plan))
     monkeypatch.setenv(contract.ENV_RESUME, str(tmp_path / "plan-bad.json"))
@@ -253,7 +244,7 @@ def test_two_ranks_on_a_node_share_the_staging_and_both_pull(s3: Bucket, tmp_pat
     gen1 = [json.loads((tmp_path / f"gen1-rank{r}.json").read_text()) for r in (0, 1)]
     assert gen1[0]["stage"] == gen1[1]["stage"] and _staged(gen1[0]["stage"]) == []
 
-    plan = _plan(tmp_path, listed[0], 2)
+    plan = plan_file(tmp_path, listed[0], 2)
     env.update(SPIKEGUARD_GENERATION="2", SPIKEGUARD_RESUME=plan)
     for r in run_ranks(HERE, [str(tmp_path), "4"], 2, 900, **env):
         assert r.returncode == 0, r.stdout[-3000:]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import plan_file
 from s3server import Bucket, s3, s3_server
 
 pytest.importorskip("lightning")
@@ -81,15 +82,6 @@ def _fit(tmp: Path, steps: int, seed: int) -> dict[str, Any]:
     return seen
 
 
-def _plan(tmp: Path, info: ckpt.CheckpointInfo, generation: int) -> str:
-    path = tmp / f"plan-{generation}.json"
-    plan = contract.ResumePlan(
-        checkpoint=info.path, checkpoint_step=info.step, sha256=info.sha256, generation=generation
-    )
-    path.write_text(plan.to_json())
-    return str(path)
-
-
 def test_lightning_checkpoints_go_to_s3_and_a_resume_loads_one_back(
     s3: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -113,7 +105,7 @@ def test_lightning_checkpoints_go_to_s3_and_a_resume_loads_one_back(
 
     # a rollback to it: generation 1 (other initial weights) resumes from the plan's URL
     monkeypatch.setenv(contract.ENV_GENERATION, "1")
-    monkeypatch.setenv(contract.ENV_RESUME, _plan(tmp_path, info, 1))
+    monkeypatch.setenv(contract.ENV_RESUME, plan_file(tmp_path, info, 1))
     resumed = _fit(tmp_path, steps=9, seed=1)
     assert resumed["began"] == (6, first["saved"][5])  # the same parameters, the next step
     [m] = [m for m in read_jsonl(tmp_path / "reports.jsonl") if m["type"] == "resumed"]
@@ -124,6 +116,6 @@ def test_lightning_checkpoints_go_to_s3_and_a_resume_loads_one_back(
     good = s3.get(key)
     s3.put(key, good[:-64] + bytes(64))
     monkeypatch.setenv(contract.ENV_GENERATION, "2")
-    monkeypatch.setenv(contract.ENV_RESUME, _plan(tmp_path, info, 2))
+    monkeypatch.setenv(contract.ENV_RESUME, plan_file(tmp_path, info, 2))
     with pytest.raises(ckpt.CorruptCheckpointError, match="sha256 mismatch"):
         _fit(tmp_path, steps=9, seed=1)
