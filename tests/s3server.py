@@ -20,10 +20,11 @@ import http.server
 import importlib.util
 import itertools
 import logging
+import os
 import socket
 import threading
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -49,14 +50,23 @@ _KEPT_OUT = (
 _NAMES = itertools.count(1)
 
 
-def need_s3() -> None:
-    """Skip the calling test, with the reason, where moto's server or s3fs is absent."""
+def missing() -> str | None:
+    """Why the server cannot run here (:data:`MISSING`: moto's server or s3fs is absent), or
+    None when it can."""
     if importlib.util.find_spec("moto") is None or importlib.util.find_spec("s3fs") is None:
-        pytest.skip(MISSING)
+        return MISSING
     try:
         import moto.server  # noqa: F401  # its extra (flask, werkzeug) is what is missing
     except ImportError:
-        pytest.skip(MISSING)
+        return MISSING
+    return None
+
+
+def need_s3() -> None:
+    """Skip the calling test, with the reason, where moto's server or s3fs is absent."""
+    reason = missing()
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def _free_port() -> int:
@@ -127,17 +137,31 @@ class Bucket:
         self.client.put_object(Bucket=self.name, Key=key, Body=data)
 
 
+def store_environment(environ: Mapping[str, str], endpoint: str) -> dict[str, str]:
+    """``environ`` with the standard AWS environment (and nothing else of it) saying where the
+    store is: the developer's own AWS set-up left out, the test keys and region in."""
+    env = {k: v for k, v in environ.items() if k not in _KEPT_OUT}
+    env.update(
+        AWS_CONFIG_FILE="/nonexistent/spikeguard-test/config",
+        AWS_SHARED_CREDENTIALS_FILE="/nonexistent/spikeguard-test/credentials",
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID=ACCESS_KEY,
+        AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+        AWS_DEFAULT_REGION=REGION,
+    )
+    return env
+
+
 def point_environment(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
-    """Make the standard AWS environment (and nothing else) say where the store is."""
-    for name in _KEPT_OUT:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/spikeguard-test/config")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/spikeguard-test/credentials")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    """Make the standard AWS environment (and nothing else) say where the store is
+    (:func:`store_environment`), in this process."""
+    wanted = store_environment(os.environ, endpoint)
+    for name in set(os.environ) - set(wanted):
+        monkeypatch.delenv(name)
+    for name, value in wanted.items():
+        if os.environ.get(name) != value:
+            monkeypatch.setenv(name, value)
 
 
 @pytest.fixture(scope="session")
