@@ -14,7 +14,16 @@ median of the per-round ratios, each ratio from runs of the same round). Target:
 1.01 at the default sampling. The per-probe cost of the effective rank is
 ``bench/bench_erank.py``.
 
-    python3 bench/bench_overhead.py [--steps 400] [--rounds 5]
+The ``timing`` column is the part of an SDK variant's step the step timing costs (``step_time``
+and ``phases``: the forward hooks' clock reads, a ``data`` phase, the fields in the message), as
+a ratio: (variant's step + timing cost) / variant's step. The cost is measured apart, since a
+few microseconds are far below the noise of a training run: ``--timing-steps`` calls of a tiny
+forward, one ``sg.phase("data")`` and ``sg.step()`` with ``attach(step_timing=True)`` and
+with ``False``, alternated over the rounds, in CPU time of the process (a descheduled process
+waits for longer than the cost); cost = the median over rounds of the per-step difference
+(printed below the table).
+
+    python3 bench/bench_overhead.py [--steps 400] [--rounds 5] [--timing-steps 5000]
 """
 
 from __future__ import annotations
@@ -47,15 +56,62 @@ def run_once(variant: str, steps: int, report_dir: str) -> float:
     return (result["last_step"] + 1) / result["wall"]
 
 
+TIMING_VARIANTS = ("timing", "no-timing")
+
+
+def timing_once(timing: bool, steps: int, report_dir: str) -> float:
+    """CPU seconds (the process's, its writer thread included) per step of ``steps`` steps of a
+    tiny forward, a ``data`` phase and ``sg.step()``, with the step timing on or off (reporting
+    to a JSONL file). CPU time, not wall time: on a shared machine the time a process waits
+    for a core is many times the microseconds measured."""
+    import torch
+    from spikeguard.workers import attach
+
+    model = torch.nn.Linear(4, 4)
+    x = torch.zeros(1, 4)
+    path = os.path.join(report_dir, f"timing-{timing}.jsonl")
+    sg = attach(model, report=f"jsonl://{path}", sample_every=10**9, step_timing=timing)
+    t0 = time.process_time()
+    for step in range(steps):
+        with sg.phase("data"):
+            pass
+        model(x)
+        sg.step(step=step, loss=1.0)
+    seconds = (time.process_time() - t0) / steps
+    sg.close()
+    return seconds
+
+
+def timing_cost(steps: int, rounds: int, report_dir: str) -> float:
+    """The step timing's cost in seconds per step (see the module docstring)."""
+    timing_once(True, min(steps, 200), report_dir)  # warm-up
+    per_step: dict[tuple[int, str], float] = {}
+    for r, variant in interleaved(TIMING_VARIANTS, rounds):
+        per_step[(r, variant)] = timing_once(variant == "timing", steps, report_dir)
+    cost = statistics.median(
+        per_step[(r, "timing")] - per_step[(r, "no-timing")] for r in range(rounds)
+    )
+    without = statistics.median(per_step[(r, "no-timing")] for r in range(rounds))
+    print(
+        f"step timing: {cost * 1e6:.2f} us a step (sg.step() and a tiny forward without it: "
+        f"{without * 1e6:.1f} us; median of {rounds} round(s) x {steps} steps)",
+        flush=True,
+    )
+    return cost
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Run the benchmark and print its table; returns the rows."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=400, help="training steps per run")
     p.add_argument("--rounds", type=int, default=5, help="runs per variant, alternated")
+    p.add_argument(
+        "--timing-steps", type=int, default=5000, help="steps per run of the timing's cost"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
     args = p.parse_args(argv)
     if args.smoke:
-        args.steps, args.rounds = 5, 1
+        args.steps, args.rounds, args.timing_steps = 5, 1, 20
     standalone_rank()  # nothing from a surrounding supervised run may steer the SDK here
 
     import torch
@@ -78,6 +134,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"({time.time() - t0:.1f}s)",
             flush=True,
         )
+    cost = timing_cost(args.timing_steps, args.rounds, report_dir)
     rows = []
     for variant in names:
         mine = [rate[(r, variant)] for r in range(args.rounds)]
@@ -90,6 +147,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 "max": max(mine),
                 "slowdown": statistics.median(ratios),
                 "worst round": max(ratios),
+                # the timing's share of this variant's step (none without the SDK)
+                "timing": None if VARIANTS[variant] is None else 1 + cost * statistics.median(mine),
             }
         )
     print()
@@ -103,6 +162,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 ("max", ".2f"),
                 ("slowdown", ".4f"),
                 ("worst round", ".4f"),
+                ("timing", ".5f"),
             ),
         )
     )

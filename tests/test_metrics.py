@@ -265,3 +265,21 @@ def test_a_busy_port_costs_the_metrics_not_the_run(tmp_path, capsys):
         assert (tmp_path / "run" / "metrics.url").stat().st_mode & 0o777 == 0o600
     finally:
         ex.close()
+
+
+def test_each_rank_s_step_time_and_its_ratio_to_its_peers_are_exported():
+    col = Collector(world_size=3, hang_timeout_s=60, first_heartbeat_timeout_s=300)
+    col.new_generation(1, 0.0)
+    slow = {0: 0.10, 1: 0.10, 2: 0.15}  # rank 2 computes 1.5x as long as its peers
+    for step in range(5):
+        for rank, seconds in slow.items():
+            hb = {"v": 1, "type": "heartbeat", "run": "r", "gen": 1, "rank": rank, "step": step}
+            col.ingest(rank, json.dumps({**hb, "t": step, "step_time": seconds}), 1.0 + step)
+    ctl = SimpleNamespace(state=rc.State(phase=rc.Phase.RUNNING, generation=1), collector=col)
+    ex = MetricsExporter(run="r", clock=lambda: 10.0)
+    ex.tick(ctl)
+    text = ex.exposition()
+    assert check_metrics(text).returncode == 0
+    assert value(text, "spikeguard_rank_step_seconds", run="r", rank="2") == 0.15
+    assert value(text, "spikeguard_rank_step_ratio", run="r", rank="2") == pytest.approx(1.5)
+    assert value(text, "spikeguard_rank_step_ratio", run="r", rank="0") == pytest.approx(0.8)

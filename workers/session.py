@@ -7,6 +7,8 @@ A training script adopts spikeguard in a few lines::
     for step in range(start, total):
         if sg.should_skip(step):
             continue
+        with sg.phase("data"):                   # optional: the rank's own time, see phase()
+            batch = next(loader)
         ...forward/backward/optimizer.step()...
         sg.step(step=step, loss=loss.item(), grad_norm=gn, lr=lr, batch_ids=ids)
         if sg.should_checkpoint(step, every=100) and rank == 0:
@@ -25,6 +27,11 @@ Under the supervisor everything is configured by environment variables
 (:mod:`spikeguard.workers.contract`); without one the same script runs and
 reports to a local JSONL file or nowhere.
 
+Every step's message carries ``step_time``, the seconds this rank computed in the step (its
+model's forward passes, timed by hooks on the attached model, plus its ``data`` phase; see
+:mod:`.rank.timing`): in synchronous data parallelism the time between steps is the slowest
+rank's on every rank, and ``step_time`` is what tells a straggler apart.
+
 Probes are armed for the *next* step when that step is a sampled one, so
 the forward hooks do their work during that step's forward pass and
 ``step()`` collects the result; on other steps the hooks return at once.
@@ -38,6 +45,7 @@ framework integration needs beyond a script's calls is :attr:`Session.framework`
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import socket
 from collections.abc import Iterable
@@ -56,6 +64,7 @@ from .rank.framework import FrameworkApi
 from .rank.reports import Fence, Reporter, Requests, StaleGenerationError
 from .rank.resume import LaunchPlan, LrScale, Resume
 from .rank.sampling import Sampler
+from .rank.timing import StepTimer
 
 __all__ = ["Session", "StaleGenerationError", "attach"]
 
@@ -79,6 +88,7 @@ class Session:
         config: RankConfig,
         *,
         probe_patterns: dict[str, Iterable[str]] | None = None,
+        step_timing: bool = True,
     ) -> None:
         self.config = config
         """What this rank is and where it reports (the environment, read once)."""
@@ -99,6 +109,7 @@ class Session:
         self._sampler = Sampler(
             model, sample_every=config.sample_every, probe_patterns=probe_patterns
         )
+        self._timer = StepTimer(model) if step_timing else None
         self._requests = Requests(self._reporter, batch_ids_window=config.batch_ids_window)
         self._fence = Fence(config.fence_file, generation=config.generation, rank=config.rank)
         self._lr = LrScale()
@@ -226,6 +237,9 @@ class Session:
         ``extra``: more JSON-able metrics, sent in the message under ``extra``.
         ``tokens``: the tokens this rank processed in this step (the live view's tokens/s).
         ``total_steps``: how many steps the script trains (the live view's ETA).
+        The message also carries ``step_time``, the seconds this rank computed in the step (its
+        model's forward passes, plus its ``data`` phase), and ``phases``, the seconds of each
+        phase the script marked (see :meth:`phase`).
         ``lr``: the script's own (unscaled) LR; the message carries the effective one, times the
         multiplier the step's optimizer step used (the plan's scale, its re-warm-up after an
         optimizer reset, an LR cut being given back after probation).
@@ -246,6 +260,8 @@ class Session:
             fields["total_steps"] = int(total_steps)
         if extra is not None:
             fields["extra"] = extra
+        if self._timer is not None:
+            fields.update(self._timer.take())
         sample = self._sampler.take(s, loss_f)
         if sample is not None:
             layers, summary = sample
@@ -257,15 +273,47 @@ class Session:
         self._sampler.start_at(s + 1)
         self._requests.answer_batch_ids(s)
 
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """``with sg.phase("data"): batch = next(loader)`` clocks the block as phase ``name``.
+
+        A step's message carries the seconds of each phase in ``phases`` (summed over the step:
+        a phase entered twice counts twice; a phase counts into the step whose ``step()`` comes
+        after it ends). The ``data`` phase also counts into ``step_time``: loading its batch is
+        the rank's own work, and a rank slow at it makes the others wait as surely as a slow
+        forward; any other phase is reported only (it may hold waits on the peers, or enclose
+        the forward the SDK already times). Do not enclose the forward in ``data``.
+
+        Phases are CPU wall time: a phase of CUDA work measures its launches unless it ends with
+        a synchronisation. ``name`` is a letter or ``_`` then up to 31 of ``[A-Za-z0-9_.-]``
+        (ValueError otherwise, at its first use); at most 16 names a step are reported (later
+        new names are not, with one warning)."""
+        if self._timer is None:
+            return contextlib.nullcontext()
+        return self._timer.phase(name)  # reusable: the same object for the same name
+
+    def phase_start(self, name: str) -> None:
+        """Start phase ``name`` (see :meth:`phase`), for a phase that does not fit a block."""
+        if self._timer is not None:
+            self._timer.phase_start(name)
+
+    def phase_stop(self, name: str) -> None:
+        """End phase ``name`` (see :meth:`phase`); nothing for a phase not started."""
+        if self._timer is not None:
+            self._timer.phase_stop(name)
+
     def pause_sampling(self) -> None:
-        """Stop the probes until :meth:`resume_sampling`: a framework's validation (or sanity
-        check) runs forward passes between training steps, which must not count as the next
-        step's sample."""
+        """Stop the probes and the forward timing until :meth:`resume_sampling`: a framework's
+        validation (or sanity check) runs forward passes between training steps, which must
+        not count as the next step's sample, nor as its compute time."""
         self._sampler.pause()
+        if self._timer is not None:
+            self._timer.pause()
 
     def resume_sampling(self) -> None:
-        """Arm the probes again for the next step, if it is a sampled one."""
+        """Arm the probes again for the next step, if it is a sampled one, and time forwards."""
         self._sampler.resume()
+        if self._timer is not None:
+            self._timer.resume()
 
     def should_checkpoint(
         self, step: int | None = None, *, every: int | None = None, collective: bool = False
@@ -407,6 +455,8 @@ class Session:
             failed = e
         self._reporter.send("done", self._sampler.next_step)
         self._sampler.remove()
+        if self._timer is not None:
+            self._timer.remove()
         self._lr.remove()
         self._reporter.close(timeout)
         if failed is not None:
@@ -423,6 +473,7 @@ def attach(
     probe_patterns: dict[str, Iterable[str]] | None = None,
     batch_ids_window: int = 200,
     queue_size: int = 1024,
+    step_timing: bool = True,
 ) -> Session:
     """Attach spikeguard to ``model`` in this rank. See :class:`Session`.
 
@@ -435,6 +486,8 @@ def attach(
         probe_patterns: keyword arguments for :class:`~spikeguard.workers.probes.Probes`.
         batch_ids_window: how many steps of ``batch_ids`` to keep for forensics.
         queue_size: bound of the report queue; beyond it messages are dropped and counted.
+        step_timing: time the model's forward passes and the script's phases into each step's
+            ``step_time`` (see :meth:`Session.phase`); False leaves both out of the messages.
     """
     config = RankConfig.from_env(
         report=report,
@@ -444,4 +497,4 @@ def attach(
         batch_ids_window=batch_ids_window,
         queue_size=queue_size,
     )
-    return Session(model, config, probe_patterns=probe_patterns)
+    return Session(model, config, probe_patterns=probe_patterns, step_timing=step_timing)

@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import json
 import math
+import statistics
 from typing import Any, NamedTuple
 
 from spikeguard.workers.contract.messages import FORMAT_VERSION, MAX_LAYERS_PER_RANK, LayerGate
@@ -28,6 +29,8 @@ PROGRESS_SAMPLES = 256
 the last :data:`RATE_WINDOW_S`, one per poll)."""
 RATE_WINDOW_S = 30.0
 """Steps/s and tokens/s are measured over this many seconds of the latest progress."""
+STEP_TIME_WINDOW = 20
+"""A rank view's recent ``step_time`` median is over its last this many measured steps."""
 
 
 class Accepted(dict):  # type: ignore[type-arg]
@@ -93,6 +96,20 @@ class RankView:
     done: bool = False
     hang_reported_at: float | None = None
     """When the last ``hang`` message for this silence was made (None: the rank is not silent)."""
+    step_time: float | None = None
+    """The rank's latest measured ``step_time`` (seconds it computed in a step; None: none
+    measured yet in this generation)."""
+    step_times: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=STEP_TIME_WINDOW)
+    )
+    """The last :data:`STEP_TIME_WINDOW` measured ``step_time`` values, oldest first."""
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The ``phases`` of the rank's latest message that had any."""
+
+    def step_time_median(self) -> float | None:
+        """The median of :attr:`step_times` (None before the first): a rank's recent compute
+        time per step, one slow step (a checkpoint, a probe) left out."""
+        return statistics.median(self.step_times) if self.step_times else None
 
 
 class CappedRank(NamedTuple):
@@ -214,6 +231,12 @@ class Collector:
             v.tokens_total += msg.get("tokens") or 0
             if msg.get("total_steps") is not None:
                 v.total_steps = msg["total_steps"]
+            step_time = msg.get("step_time")
+            if step_time is not None:  # a finite timing (validated)
+                v.step_time = float(step_time)
+                v.step_times.append(v.step_time)
+            if msg.get("phases"):
+                v.phases = {name: float(s) for name, s in msg["phases"].items()}
             _record_progress(v, now)
             if msg["type"] == "report":
                 v.summary = dict(msg.get("summary") or {})

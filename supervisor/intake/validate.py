@@ -9,8 +9,11 @@ raises :class:`Rejected` with the reason the collector counts:
 ``malformed``     not JSON, not an object, or nested deeper than ``MAX_DEPTH``
 ``bad_version``   another format version
 ``unknown_type``  a message type the contract does not name
-``wrong_type``    a field the supervisor reads has the wrong type
-``out_of_range``  an integer the supervisor reads is beyond ``MAX_SAFE_INT``
+``wrong_type``    a field the supervisor reads has the wrong type (a ``phases`` name that is
+                  no phase name included)
+``out_of_range``  an integer the supervisor reads is beyond ``MAX_SAFE_INT``, or a timing
+                  (``step_time``, a phase's seconds) is not finite, negative or beyond
+                  ``MAX_STEP_TIME_S``, or ``phases`` names more than ``MAX_PHASES``
 
 Non-finite metric values (a NaN or infinite ``loss``) are data, not errors: detecting them is
 what the non-finite rules are for. Fields the supervisor never reads (``extra``, the batch ids
@@ -34,8 +37,11 @@ from spikeguard.workers.contract.messages import (
     FORMAT_VERSION,
     MAX_DEPTH,
     MAX_LINE_BYTES,
+    MAX_PHASES,
     MAX_SAFE_INT,
     MESSAGE_TYPES,
+    is_phase_name,
+    is_timing,
     may_hold_surrogate,
     replace_surrogates,
     too_deep,
@@ -153,6 +159,10 @@ def problem(msg: dict[str, Any]) -> str | None:
         why = _batch_ids_problem(msg)
         if why is not None:
             return why
+    if "step_time" in msg or "phases" in msg:
+        why = _timing_problem(msg)
+        if why is not None:
+            return why
     why = _summary_problem(msg)
     if why is None:
         why = _layers_problem(msg)
@@ -192,6 +202,35 @@ def _layers_problem(msg: dict[str, Any]) -> str | None:
         if why is not None:
             return why
     return None
+
+
+def _timing_problem(msg: dict[str, Any]) -> str | None:
+    """``step_time`` a timing or null, ``phases`` null or at most ``MAX_PHASES`` phase names
+    each with a timing (see :func:`~spikeguard.workers.contract.messages.is_timing`)."""
+    why = _timing_value_problem(msg.get("step_time"))
+    if why is not None:
+        return why
+    phases = msg.get("phases")
+    if phases is None:
+        return None
+    if type(phases) is not dict:
+        return "wrong_type"
+    if len(phases) > MAX_PHASES:
+        return "out_of_range"
+    for name, seconds in phases.items():
+        if not is_phase_name(name) or seconds is None:
+            return "wrong_type"
+        why = _timing_value_problem(seconds)
+        if why is not None:
+            return why
+    return None
+
+
+def _timing_value_problem(value: Any) -> str | None:
+    """Why ``value`` is no timing (null is none: absent), or None."""
+    if value is None or is_timing(value):
+        return None
+    return "out_of_range" if _number_or_null(value) else "wrong_type"
 
 
 def _batch_ids_problem(msg: dict[str, Any]) -> str | None:

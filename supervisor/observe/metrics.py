@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import statistics
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -118,6 +119,11 @@ class RankSnapshot:
     tokens_total: int = 0
     running: bool = True
     """Neither exited nor done: its heartbeat's age means something."""
+    step_time: float | None = None
+    """Seconds the rank computed in its latest measured step (None: not measured)."""
+    step_ratio: float | None = None
+    """Its recent compute time (the median of its last steps) over the median of its peers'
+    (:func:`peer_ratios`): about 1 for every rank of a healthy job, above it for a straggler."""
 
     def step_value(self, signal: str) -> Any:
         """The rank's latest value of a per-step signal: its field of that name (every declared
@@ -140,8 +146,21 @@ class Snapshot:
     now: float = 0.0
 
 
+def peer_ratios(medians: Mapping[int, float | None]) -> dict[int, float]:
+    """Per rank with a recent compute time: its ratio to the median of the other ranks' (none
+    for a rank alone, or whose peers' median is not positive)."""
+    known = {r: m for r, m in medians.items() if m is not None}
+    out = {}
+    for rank, mine in known.items():
+        peers = [m for r, m in known.items() if r != rank]
+        if peers and (mid := statistics.median(peers)) > 0:
+            out[rank] = mine / mid
+    return out
+
+
 def snapshot(state: rc.State, collector: Collector, now: float) -> Snapshot:
     """The :class:`Snapshot` of a controller's machine state and collector at ``now``."""
+    ratios = peer_ratios({v.rank: v.step_time_median() for v in collector.ranks.values()})
     ranks = tuple(
         RankSnapshot(
             rank=v.rank,
@@ -154,6 +173,8 @@ def snapshot(state: rc.State, collector: Collector, now: float) -> Snapshot:
             last_seen=v.last_seen,
             tokens_total=v.tokens_total,
             running=v.exit_code is None and not v.done,
+            step_time=v.step_time,
+            step_ratio=ratios.get(v.rank),
         )
         for v in collector.ranks.values()
     )
@@ -412,6 +433,7 @@ class MetricsFold:
         steps: dict[Labels, float] = {}
         ages: dict[Labels, float] = {}
         tokens: dict[Labels, float] = {}
+        step_ratios: dict[Labels, float] = {}
         for r in ranks:
             key = (run, str(r.rank))
             step = _float(r.step)
@@ -430,6 +452,8 @@ class MetricsFold:
             if r.running and snap is not None:
                 since = snap.launched_at if r.last_seen is None else r.last_seen
                 ages[key] = max(0.0, now - since)
+            if r.step_ratio is not None:
+                step_ratios[key] = r.step_ratio
             if r.tokens_total or self._tokens_base.get(r.rank):
                 tokens[key] = float(self._tokens_base.get(r.rank, 0) + r.tokens_total)
         labels = ("run", "rank")
@@ -444,6 +468,12 @@ class MetricsFold:
                 "seconds since the rank's last message (since its launch, before the first)",
                 labels,
                 ages,
+            ),
+            _gauge(
+                "rank_step_ratio",
+                "the rank's recent compute time over the median of its peers' (a straggler: > 1)",
+                labels,
+                step_ratios,
             ),
             _counter(
                 "rank_tokens_total",

@@ -9,7 +9,16 @@ everything with its own monotonic clock). Non-finite floats are written as JSON
 ``heartbeat``   every step: ``loss``, ``lr``, ``grad_norm`` (each may be null); optionally
                 ``tokens``, the tokens this rank processed in this step (an integer >= 0, for
                 tokens/s), and ``total_steps``, the number of steps the script trains (the
-                last step is ``total_steps - 1``; for the ETA).
+                last step is ``total_steps - 1``; for the ETA); optionally ``step_time``, the
+                seconds this rank spent computing in this step, not waiting on its peers (a
+                finite float in [0, :data:`MAX_STEP_TIME_S`]; absent when the SDK could not
+                measure it): the time of the model's forward passes in the step (CUDA events on
+                a model on CUDA) plus the script's ``data`` phase (:data:`OWN_PHASES`); and
+                ``phases`` {phase name: seconds}, the time of each phase the script marked in the
+                step (``Session.phase``): at most :data:`MAX_PHASES` names, each matching
+                :data:`PHASE_NAME`, each value as ``step_time``. In synchronous data parallelism
+                the time between two steps is the slowest rank's on every rank; ``step_time``
+                is what tells the ranks apart.
 ``report``      on sampled steps: the heartbeat fields plus ``layers`` {layer name: {signal:
                 value}} with the per-layer signals of :mod:`.signals`, and ``summary`` {signal:
                 value} aggregated over layers (:func:`.signals.summarize`) plus ``worst_layer``.
@@ -85,6 +94,38 @@ from the plan file, see ``ENV_STANDBY``)."""
 
 MAX_LINE_BYTES = 1 << 20
 """The longest line (newline excluded) a message may take; longer ones are dropped unread."""
+
+MAX_STEP_TIME_S = 1e6
+"""The largest ``step_time`` (and phase time) in seconds the supervisor reads (11 days): beyond
+it, or negative, or not finite, the value is no timing and the message is dropped
+(``out_of_range``)."""
+
+MAX_PHASES = 16
+"""The most phase names one message's ``phases`` may hold (the SDK keeps the first this many a
+step names and warns once about the others)."""
+
+PHASE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+"""What a phase name is (whole string): a letter or underscore, then at most 31 letters, digits,
+``_``, ``.`` or ``-``: a label that fits a metric, a table column and a Slack line as it is."""
+
+OWN_PHASES = ("data",)
+"""The phases whose time also counts into ``step_time``: loading this rank's batch is this
+rank's own time (a rank slow at it makes the others wait as surely as a slow forward). Other
+phases are reported in ``phases`` only: the SDK cannot know whether they hold a wait on the
+peers (a marked backward holds the gradient all-reduce) or enclose the forward it times."""
+
+
+def is_phase_name(name: object) -> bool:
+    """Whether ``name`` is a valid phase name (:data:`PHASE_NAME`)."""
+    return isinstance(name, str) and PHASE_NAME.fullmatch(name) is not None
+
+
+def is_timing(value: Any) -> bool:
+    """Whether ``value`` is a valid ``step_time`` or phase time: an int or float (not a bool),
+    finite, in [0, :data:`MAX_STEP_TIME_S`]."""
+    t = type(value)
+    return (t is float or t is int) and 0 <= value <= MAX_STEP_TIME_S  # NaN fails both
+
 
 MAX_LAYERS_PER_RANK = 1024
 """The most distinct layer names the supervisor keeps of one rank over a run (:class:`LayerGate`).

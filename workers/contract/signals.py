@@ -366,6 +366,21 @@ declare(
         metric=MetricFamily(name="lr", help="the rank's latest learning rate (LR scale applied)"),
     )
 )
+# measured by the SDK on every step (workers/rank/timing.py: the attached model's forward passes
+# and the script's "data" phase): the seconds the rank spent computing, not waiting on its peers
+# (a rank slower than its peers is a straggler: policies' above_peer_median)
+declare(
+    SignalSpec(
+        name="step_time",
+        probe="step",
+        display="the step time",
+        metric=MetricFamily(
+            name="step_seconds", help="seconds the rank spent computing in its latest step"
+        ),
+        aggregate="max",
+        unit="s",
+    )
+)
 
 
 GRADE_THRESHOLDS: tuple[float, ...] = (0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)

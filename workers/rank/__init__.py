@@ -13,6 +13,7 @@ Each part is a module with one job, and a part uses another only through its pub
 * :mod:`.resume`       the launch's plan (a standby waits for it), applying it, batch skipping,
                        and the LR scale as optimizer step hooks
 * :mod:`.framework`    what a framework integration (Hugging Face, Lightning) calls
+* :mod:`.timing`       the rank's compute time in a step (its forwards, the script's phases)
 
 This package itself imports nothing (torch is loaded by the parts that need it).
 """
