@@ -14,7 +14,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
-from spikeguard.workers.contract.signals import LAYER_SIGNALS
+from spikeguard.workers.contract.signals import LAYER_SIGNALS, STEP_SIGNALS
 
 from . import expr
 from .base import _Model
@@ -26,6 +26,7 @@ _KIND_KEYS = {
     ":threshold": ("below", "above"),
     ":change": ("drops_by", "rises_by"),
     ":trailing": ("above_median", "below_median", "z_above", "z_below"),
+    ":peer": ("above_peer_median", "below_peer_median"),
     ":nonfinite": ("nonfinite",),
     ":crash": ("crash",),
     ":hang": ("hang",),
@@ -33,7 +34,8 @@ _KIND_KEYS = {
     ":any": ("any",),
 }
 _ALL_CONDITION_KEYS = sorted(
-    {k for keys in _KIND_KEYS.values() for k in keys} | {"signal", "within", "window", "median_of"}
+    {k for keys in _KIND_KEYS.values() for k in keys}
+    | {"signal", "within", "window", "median_of", "peers_within"}
 )
 
 
@@ -177,6 +179,63 @@ class Trailing(_Leaf):
         return self.above_median is not None or self.z_above is not None
 
 
+class PeerRelative(_Leaf):
+    """Compares a rank's recent value of a per-rank signal with the median of the other ranks'
+    (a straggler: a rank whose step time is well above its peers')."""
+
+    signal: Signal
+    """The per-rank signal to compare (step_time, loss, grad_norm, lr); not a per-layer one."""
+    above_peer_median: float | None = Field(None, gt=1, allow_inf_nan=False)
+    """Fire when the rank's value is at least this × the median of its peers' (> 1, e.g. 1.3)."""
+    below_peer_median: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False)
+    """Fire when the rank's value is at most this × the median of its peers' (in (0, 1))."""
+    median_of: DurationOf("steps") = Field("5 steps", validate_default=True)  # type: ignore[valid-type]
+    """The rank's value, and each peer's, is its median over its latest values in this many steps
+    (the current one included; at least half of them reported), so one noisy step does not
+    count."""
+    peers_within: DurationOf("steps") = Field("100 steps", validate_default=True)  # type: ignore[valid-type]
+    """A rank is a peer while its latest value is within this many steps of the furthest step any
+    rank has reported in the generation; one that stopped reporting (or measuring) drops out.
+    With no peer (a single-rank job) the condition never holds."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _per_rank(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("signal") in LAYER_SIGNALS:
+            fail(
+                f"a peer comparison reads a per-rank signal ({', '.join(STEP_SIGNALS)}); "
+                f"{data['signal']!r} is per layer",
+                "signal",
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _one(self) -> PeerRelative:
+        if (self.above_peer_median is None) == (self.below_peer_median is None):
+            fail("use either 'above_peer_median' or 'below_peer_median'", "below_peer_median")
+        if self.median_of.value < 1:
+            fail("'median_of' must span at least 1 step", "median_of")
+        if self.peers_within.value < 1:
+            fail("'peers_within' must span at least 1 step", "peers_within")
+        return self
+
+    @property
+    def factor(self) -> float:
+        """The ratio to the peers' median: above_peer_median or below_peer_median."""
+        f = self.above_peer_median if self.above_peer_median is not None else self.below_peer_median
+        assert f is not None
+        return f
+
+    @property
+    def rising(self) -> bool:
+        return self.above_peer_median is not None
+
+    @property
+    def need(self) -> int:
+        """How many values a rank's median needs: at least half of ``median_of``'s steps."""
+        return (int(self.median_of.value) + 1) // 2
+
+
 class NonFinite(_Leaf):
     """Fires when the signal is NaN or ±infinity."""
 
@@ -285,7 +344,8 @@ def _condition_input(v: Any) -> Any:
                 fail(f"unknown field {show(key)}{suggest(key, _ALL_CONDITION_KEYS)}", key, key=True)
         fail(
             "a condition needs a test: below/above, drops_by/rises_by, above_median/below_median/"
-            "z_above/z_below, nonfinite, crash or hang, or a list under all:/any:"
+            "z_above/z_below, above_peer_median/below_peer_median, nonfinite, crash or hang, or a "
+            "list under all:/any:"
         )
     if len({tag for tag, _ in kinds}) > 1:
         a, b = kinds[0][1], next(k for tag, k in kinds if tag != kinds[0][0])
@@ -303,6 +363,7 @@ def _condition_kind(v: Any) -> str | None:
         Threshold: ":threshold",
         Change: ":change",
         Trailing: ":trailing",
+        PeerRelative: ":peer",
         NonFinite: ":nonfinite",
         Crash: ":crash",
         Hang: ":hang",
@@ -316,6 +377,7 @@ _ConditionUnion = Annotated[
     Annotated[Threshold, Tag(":threshold")]
     | Annotated[Change, Tag(":change")]
     | Annotated[Trailing, Tag(":trailing")]
+    | Annotated[PeerRelative, Tag(":peer")]
     | Annotated[NonFinite, Tag(":nonfinite")]
     | Annotated[Crash, Tag(":crash")]
     | Annotated[Hang, Tag(":hang")]

@@ -52,13 +52,26 @@ from typing import Any, Literal
 from spikeguard.workers.contract.messages import MAX_LAYERS_PER_RANK, LayerGate
 from spikeguard.workers.contract.signals import LAYER_SIGNALS
 
-from .conditions import Change, Trailing
-from .evaluate import Context, Hit, RankMessage, Series, evaluate, number, screen
+from .conditions import Change, PeerRelative, Trailing
+from .evaluate import (
+    Context,
+    Hit,
+    PeerKey,
+    Peers,
+    RankMessage,
+    Series,
+    evaluate,
+    number,
+    peer_key,
+    screen,
+)
 from .schema import FractionOfRanks, Policy, RecoverySettings, Rule
 from .values import Duration
 
 SNAPSHOTS = 4
 """Checkpoints whose series the engine keeps to rewind to after a rollback (see above)."""
+MAX_HOST_CHARS = 100
+"""A rank's host name (its ``hello``) as a peer comparison's reason names it, at most."""
 
 __all__ = ["Decision", "Engine", "replay"]
 
@@ -166,8 +179,22 @@ class Engine:
         for c in self.rules:
             for t in c.cadence:
                 self._by_type.setdefault(t, []).append(c)
+        self._peers: dict[PeerKey, Peers] = {}
+        """The per-rank medians each peer comparison reads (cleared for a new generation)."""
+        for c in self.rules:
+            for leaf in c.rule.when.leaves():
+                if isinstance(leaf, PeerRelative) and peer_key(leaf) not in self._peers:
+                    span, within = int(leaf.median_of.value), int(leaf.peers_within.value)
+                    self._peers[peer_key(leaf)] = Peers(span, leaf.need, within)
+        self._hosts: dict[int, str] = {}
+        """Rank -> its host, from its ``hello`` of the current generation."""
         self._screens = [
-            (c.warm_in if c.warm_in > 0 else -math.inf, c.index, c.scope != "any", screen(c.when))
+            (
+                c.warm_in if c.warm_in > 0 else -math.inf,
+                c.index,
+                c.scope != "any",
+                screen(c.when, self._peers),
+            )
             for c in self._by_type.get("heartbeat", ())
         ]
         """(warm-in, rule index, scoped over ranks, :func:`~.evaluate.screen`) of the rules a
@@ -187,6 +214,8 @@ class Engine:
                     continue
                 need = int(size.value) + 2
                 self._history[leaf.signal] = max(self._history.get(leaf.signal, 0), need)
+        self._earlier = tuple(dict.fromkeys([*self._history, *(k[0] for k in self._peers)]))
+        """The signals :meth:`quiet` collects from a poll's earlier messages for the screens."""
         self._fired: dict[
             int, tuple[int, float]
         ] = {}  # rule -> (step clock, at) of the last firing
@@ -215,6 +244,9 @@ class Engine:
         self._world_size = 0
         self._max_step: int | None = None
         self._last_step: dict[int, int] = {}
+        for table in self._peers.values():
+            table.clear()
+        self._hosts.clear()
 
     def _snapshot(self, step: int) -> None:
         """Keep the series as they stand at a checkpoint of ``step`` (once per step)."""
@@ -282,7 +314,7 @@ class Engine:
                 if not cannot(msg, series, rank, extra):
                     return False
             if i < last:
-                for signal in self._history:
+                for signal in self._earlier:
                     v = number(msg.get(signal))
                     if v is not None:
                         extra.setdefault(signal, []).append(v)
@@ -357,6 +389,8 @@ class Engine:
         self._ranks.add(m.rank)
         if m.type == "hello" and isinstance(m.raw.get("world_size"), int):
             self._world_size = m.raw["world_size"]
+        if m.type == "hello" and isinstance(m.raw.get("host"), str) and self._peers:
+            self._hosts[m.rank] = m.raw["host"][:MAX_HOST_CHARS]
         if m.type == "checkpoint" and self._rewind_from is None:
             self._snapshot(m.step)
         if m.type not in ("heartbeat", "report"):
@@ -382,6 +416,11 @@ class Engine:
                     if s is None:
                         s = self._series[(m.rank, layer, signal)] = Series(need)
                     s.add(m.step, v)
+        for (signal, _, _), table in self._peers.items():
+            v = m.value(signal, None)
+            if v is not None:
+                table.add(m.rank, m.step, v)
+            table.expire(self._max_step)
 
     def _evaluate(self, c: _Compiled, m: RankMessage) -> list[Decision]:
         key = (c.index, m.rank)
@@ -399,7 +438,7 @@ class Engine:
             hit = (
                 None
                 if c.warm_in > 0 and m.step < c.warm_in
-                else evaluate(c.when, Context(m, layer, self._series))
+                else evaluate(c.when, Context(m, layer, self._series, self._peers, self._hosts))
             )
             if hit is None:
                 if inst.count:

@@ -14,9 +14,19 @@ import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from spikeguard.workers.contract.signals import LAYER_SIGNALS, aggregate
+from spikeguard.workers.contract.signals import LAYER_SIGNALS, aggregate, spec_of
 
-from .conditions import AllOf, AnyOf, Change, Crash, Hang, NonFinite, Threshold, Trailing
+from .conditions import (
+    AllOf,
+    AnyOf,
+    Change,
+    Crash,
+    Hang,
+    NonFinite,
+    PeerRelative,
+    Threshold,
+    Trailing,
+)
 from .values import format_grade
 
 
@@ -226,11 +236,159 @@ def _window(
     return pts or None
 
 
-class Context:
-    """Where a condition is evaluated: one message, one layer (None: the summary), the series."""
+PeerKey = tuple[str, int, int]
+"""What a peer comparison's values depend on: (signal, median_of steps, peers_within steps)."""
 
-    def __init__(self, msg: RankMessage, layer: str | None, series: dict) -> None:
+
+def peer_key(cond: PeerRelative) -> PeerKey:
+    """The :class:`Peers` table a peer comparison reads (rules that agree share one)."""
+    return (cond.signal, int(cond.median_of.value), int(cond.peers_within.value))
+
+
+class Peers:
+    """Each rank's recent median of one per-rank signal in the current generation, and the
+    median of the other ranks' (what ``above_peer_median`` / ``below_peer_median`` compare).
+
+    Per rank it keeps the points of its last ``span`` steps (its median needs ``need`` of them);
+    the ranks whose latest value is within ``within`` steps of the furthest step the job has
+    reached are *counted*: their medians are kept sorted, so the median of everyone's but one
+    rank's is an index away. Memory: ranks × ``span`` points; no clock (staleness is counted in
+    steps, so a replay decides as the live engine did)."""
+
+    __slots__ = (
+        "_at",
+        "_low",
+        "_own",
+        "_recent",
+        "_sorted",
+        "_step",
+        "need",
+        "span",
+        "top",
+        "within",
+    )
+
+    def __init__(self, span: int, need: int, within: int) -> None:
+        self.span, self.need, self.within = span, need, within
+        self._recent: dict[int, collections.deque[tuple[int, float]]] = {}
+        """Rank -> its finite (step, value) points, at most ``span`` (steps only increase)."""
+        self._own: dict[int, float] = {}
+        """Rank -> its median over its last ``span`` steps (when it has ``need`` values there)."""
+        self._step: dict[int, int] = {}
+        """Counted rank -> the step of its latest value."""
+        self._at: dict[int, set[int]] = {}
+        """Step -> the counted ranks whose latest value is of that step."""
+        self._sorted: list[float] = []
+        """The medians (``_own``) of the counted ranks, in order."""
+        self._low: int | None = None
+        """No counted rank's latest step is below this."""
+        self.top: int | None = None
+        """The furthest step the job has reached (:meth:`expire`)."""
+
+    def clear(self) -> None:
+        """Forget everything (a new generation: other processes, maybe on other nodes)."""
+        self._recent.clear()
+        self._own.clear()
+        self._step.clear()
+        self._at.clear()
+        self._sorted.clear()
+        self._low = self.top = None
+
+    def add(self, rank: int, step: int, value: float) -> None:
+        """Rank ``rank`` measured ``value`` at ``step`` (non-finite: not measured)."""
+        pts = self._recent.get(rank)
+        if pts is None:
+            pts = self._recent[rank] = collections.deque(maxlen=self.span)
+        if (pts and step <= pts[-1][0]) or not math.isfinite(value):
+            return  # the report repeats its step's heartbeat, or arrived late
+        pts.append((step, value))
+        values = [v for s, v in pts if s > step - self.span]
+        self._uncount(rank)
+        if len(values) < self.need:
+            self._own.pop(rank, None)
+            return
+        own = self._own[rank] = statistics.median(values)
+        bisect.insort(self._sorted, own)
+        self._step[rank] = step
+        self._at.setdefault(step, set()).add(rank)
+        if self._low is None or step < self._low:
+            self._low = step
+
+    def _uncount(self, rank: int) -> None:
+        step = self._step.pop(rank, None)
+        if step is None:
+            return
+        del self._sorted[bisect.bisect_left(self._sorted, self._own[rank])]
+        ranks = self._at[step]
+        ranks.discard(rank)
+        if not ranks:
+            del self._at[step]
+
+    def settled(self, top: int) -> bool:
+        """Whether the job reaching step ``top`` would leave every counted rank counted."""
+        if self.top is not None:
+            top = max(top, self.top)
+        return self._low is None or self._low > top - self.within
+
+    def expire(self, top: int) -> None:
+        """The job has reached step ``top``: ranks whose latest value is ``within`` steps or more
+        behind it are no longer counted (they stopped reporting, or measuring)."""
+        self.top = top if self.top is None else max(self.top, top)
+        cut = self.top - self.within  # latest values at steps <= cut are stale
+        if self._low is None or self._low > cut:
+            return
+        if cut - self._low > len(self._at):
+            stale = sorted(s for s in self._at if s <= cut)
+        else:
+            stale = [s for s in range(self._low, cut + 1) if s in self._at]
+        for s in stale:
+            for rank in list(self._at.get(s, ())):
+                self._uncount(rank)
+        self._low = min(self._at) if self._at else None
+
+    def values_of(self, rank: int) -> list[float]:
+        """The rank's kept values, oldest first."""
+        return [v for _, v in self._recent.get(rank, ())]
+
+    def own(self, rank: int) -> float | None:
+        """The rank's median over its last ``span`` steps (None: fewer than ``need`` values)."""
+        return self._own.get(rank)
+
+    def peer_median(self, rank: int) -> tuple[float, int] | None:
+        """(median, how many) of the counted ranks' medians other than ``rank``'s; None when
+        there is no such rank."""
+        vals = self._sorted
+        n = len(vals)
+        skip = n
+        if rank in self._step:  # leave one copy of its own median out
+            n -= 1
+            skip = bisect.bisect_left(vals, self._own[rank])
+        if n < 1:
+            return None
+
+        def at(j: int) -> float:
+            return vals[j] if j < skip else vals[j + 1]
+
+        half = n // 2
+        med = at(half) if n % 2 else (at(half - 1) + at(half)) / 2
+        return med, n
+
+
+class Context:
+    """Where a condition is evaluated: one message, one layer (None: the summary), the series,
+    the per-rank medians of the peer comparisons, and the ranks' hosts (their ``hello``)."""
+
+    def __init__(
+        self,
+        msg: RankMessage,
+        layer: str | None,
+        series: dict,
+        peers: dict[PeerKey, Peers] | None = None,
+        hosts: dict[int, str] | None = None,
+    ) -> None:
         self.msg, self.layer, self.series = msg, layer, series
+        self.peers = peers or {}
+        self.hosts = hosts or {}
 
     def value(self, signal: str) -> float | None:
         return self.msg.value(signal, self.layer)
@@ -319,6 +477,8 @@ def evaluate(cond: Any, ctx: Context) -> Hit | None:
         return _change(cond, ctx, v)
     if kind is Trailing:
         return _trailing(cond, ctx, v)
+    if kind is PeerRelative:
+        return _peer(cond, ctx)
     raise TypeError(f"unknown condition {kind.__name__}")
 
 
@@ -329,7 +489,7 @@ rank's messages that come before ``msg`` and are not in them yet (``earlier``, p
 False means it may hold."""
 
 
-def screen(cond: Any) -> Screen:
+def screen(cond: Any, peers: dict[PeerKey, Peers] | None = None) -> Screen:
     """The :data:`Screen` of ``cond`` (see :meth:`Engine.quiet`), made once per rule: thresholds
     and non-finite tests are answered from the value, trailing-median tests from bounds of the
     window's minimum or maximum; what it does not bound (changes, z-score-only windows, layer
@@ -338,18 +498,21 @@ def screen(cond: Any) -> Screen:
     A trailing window at evaluation time holds finite values of the series as it is now or of
     ``earlier``, so its median lies between their minimum and maximum (the argument of
     :func:`_beyond_median_impossible`); a series keeps bounds of them (:meth:`Series.extremes`),
-    made exact when the kept ones do not settle it."""
+    made exact when the kept ones do not settle it. A peer comparison is answered from the
+    engine's ``peers`` tables (:func:`_peer_screen`)."""
     kind = type(cond)
     if kind is AllOf:
-        every = [screen(c) for c in cond.all]
+        every = [screen(c, peers) for c in cond.all]
         return lambda msg, series, rank, earlier: any(
             part(msg, series, rank, earlier) for part in every
         )
     if kind is AnyOf:  # a heartbeat evaluates the alternatives that read it
-        some = [screen(c) for c in cond.any if "heartbeat" in c.cadence()]
+        some = [screen(c, peers) for c in cond.any if "heartbeat" in c.cadence()]
         return lambda msg, series, rank, earlier: all(
             part(msg, series, rank, earlier) for part in some
         )
+    if kind is PeerRelative and peers is not None and peer_key(cond) in peers:
+        return _peer_screen(cond, peers[peer_key(cond)])
     if kind not in (NonFinite, Threshold, Trailing) or cond.signal in LAYER_SIGNALS:
         return lambda msg, series, rank, earlier: False
     if kind is Trailing and cond.median_of is not None:
@@ -391,6 +554,33 @@ def screen(cond: Any) -> Screen:
         return False
 
     return beyond
+
+
+def _peer_screen(cond: PeerRelative, table: Peers) -> Screen:
+    """A peer comparison cannot hold on heartbeat ``msg`` when no median of the rank's values
+    its window may hold (its kept points, ``earlier`` and the message's: some of the latest
+    ``median_of`` of them) can pass the test against the peers' median as it stands: the
+    rank's own messages do not change the other ranks' medians, only the job's furthest step
+    could drop a peer (then it may hold)."""
+    signal, span = cond.signal, int(cond.median_of.value)
+
+    def calm(msg: dict, series: dict, rank: Any, earlier: dict) -> bool:
+        v, step = number(msg.get(signal)), number(msg.get("step"))
+        if v is None or not math.isfinite(v):
+            return True  # the test reads the message's value: absent, it is not evaluated
+        if step is None or not table.settled(int(step)):
+            return False
+        peers = table.peer_median(rank)
+        if peers is None or peers[0] <= 0:
+            return True  # no peer (they cannot appear in the rank's own messages), no ratio
+        recent = table.values_of(rank) + [x for x in earlier.get(signal, ()) if math.isfinite(x)]
+        window = [*recent[-(span - 1) :], v] if span > 1 else [v]
+        # the window's median is the median of a suffix of these: between their min and max
+        if cond.above_peer_median is not None:
+            return not peer_holds(cond, max(window), peers[0])
+        return not peer_holds(cond, min(window), peers[0])
+
+    return calm
 
 
 def _change(cond: Change, ctx: Context, v: float) -> Hit | None:
@@ -506,3 +696,40 @@ def _trailing(cond: Trailing, ctx: Context, v: float) -> Hit | None:
         else f"{s}'s median {fmt(s, v)} over the last {cond.median_of}"
     )
     return Hit(s, v, ctx.layer_of(s), f"{what} is " + ", ".join(parts))
+
+
+def peer_holds(cond: PeerRelative, own: float, median: float) -> bool:
+    """The one test of a peer comparison: ``own`` at least (at most) factor × the peers'
+    ``median``; never against a median <= 0 (no ratio to speak of)."""
+    if median <= 0:
+        return False
+    if cond.above_peer_median is not None:
+        return own >= cond.above_peer_median * median
+    return own <= cond.factor * median
+
+
+def _peer(cond: PeerRelative, ctx: Context) -> Hit | None:
+    table = ctx.peers.get(peer_key(cond))
+    rank = ctx.msg.rank
+    own = table.own(rank) if table is not None else None
+    if own is None:
+        return None
+    peers = table.peer_median(rank)  # type: ignore[union-attr]
+    if peers is None:
+        return None
+    med, n = peers
+    if not peer_holds(cond, own, med):
+        return None
+    s = cond.signal
+    unit = spec_of(s).unit
+    unit = f" {unit}" if unit else ""
+    host = ctx.hosts.get(rank)
+    others = f"its {n} peer{'s' if n != 1 else ''}'"
+    return Hit(
+        s,
+        own,
+        None,
+        f"{s}'s median {fmt(s, own)}{unit} over the last {cond.median_of} is "
+        f"{own / med:.2f}× the median {fmt(s, med)}{unit} of {others}"
+        + (f", on host {host}" if host else ""),
+    )

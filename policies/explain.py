@@ -6,7 +6,17 @@ from typing import Any
 
 from spikeguard.workers.contract.signals import spec_of
 
-from .conditions import AllOf, AnyOf, Change, Crash, Hang, NonFinite, Threshold, Trailing
+from .conditions import (
+    AllOf,
+    AnyOf,
+    Change,
+    Crash,
+    Hang,
+    NonFinite,
+    PeerRelative,
+    Threshold,
+    Trailing,
+)
 from .schema import AtLeastRanks, FractionOfRanks, Policy, RecoverySettings, Rule
 from .values import format_grade
 
@@ -79,6 +89,13 @@ def describe(cond: Any, layers: list[str] | None = None, nested: bool = False) -
                 + ("" if parts else f" against {base}")
             )
         return " ".join(parts)
+    if isinstance(cond, PeerRelative):
+        side = "at least" if cond.above_peer_median is not None else "at most"
+        return (
+            f"a rank's {s.removeprefix('the ')} (its median over the last {cond.median_of}) is "
+            f"{side} {cond.factor:g}× the median of its peers' (the other ranks that reported "
+            f"it within the last {cond.peers_within}; never on a single rank)"
+        )
     raise TypeError(type(cond).__name__)
 
 
@@ -122,6 +139,8 @@ def explain_rule(rule: Rule, policy: Policy, index: int) -> list[str]:
         extra.append(
             f"needs {' / '.join(sorted(set(windows)))} of history first, again after every relaunch"
         )
+    if any(isinstance(leaf, PeerRelative) for leaf in rule.when.leaves()):
+        extra.append("compares ranks of the same generation only, afresh after every relaunch")
     if rule.cooldown is not None:
         extra.append(f"after firing, quiet for {rule.cooldown}")
     if rule.action == "notify":

@@ -26,7 +26,18 @@ from spikeguard.workers.contract.secret_scan import find_secret
 from spikeguard.workers.contract.signals import LAYER_SIGNALS
 
 from .base import _Model
-from .conditions import AllOf, AnyOf, Change, Condition, Crash, Hang, NonFinite, Threshold, Trailing
+from .conditions import (
+    AllOf,
+    AnyOf,
+    Change,
+    Condition,
+    Crash,
+    Hang,
+    NonFinite,
+    PeerRelative,
+    Threshold,
+    Trailing,
+)
 from .values import (
     Action,
     CallerChoice,
@@ -56,6 +67,7 @@ __all__ = [
     "Hang",
     "NonFinite",
     "NotifySettings",
+    "PeerRelative",
     "Policy",
     "RecoveryOverrides",
     "RecoverySettings",
@@ -380,6 +392,14 @@ class Rule(_Model):
                 "'recovery' overrides only apply to action: recover "
                 f"(this rule does {self.action})",
                 "recovery",
+            )
+        if self.layers is not None and any(
+            isinstance(leaf, PeerRelative) for leaf in self.when.leaves()
+        ):
+            fail(
+                "'layers' does not apply to a peer comparison (above_peer_median/"
+                "below_peer_median): it compares a rank's per-rank value with the other ranks'",
+                "layers",
             )
         if self.layers is not None and not (self.when.signals() & set(LAYER_SIGNALS)):
             fail(

@@ -51,15 +51,21 @@ def heartbeat(
     loss: float | None = 2.0,
     grad_norm: float | None = 1.0,
     lr: float | None = 1e-3,
+    step_time: float | None = None,
     gen: int = 0,
     at: float | None = None,
 ) -> dict[str, Any]:
-    return {
+    """A heartbeat; ``step_time`` (seconds the rank computed in the step) only when given, as
+    the SDK leaves it out when it does not measure it."""
+    out = {
         **_base("heartbeat", rank, step, gen, at),
         "loss": loss,
         "lr": lr,
         "grad_norm": grad_norm,
     }
+    if step_time is not None:
+        out["step_time"] = step_time
+    return out
 
 
 def report(
@@ -71,17 +77,19 @@ def report(
     loss: float | None = 2.0,
     grad_norm: float | None = 1.0,
     lr: float | None = 1e-3,
+    step_time: float | None = None,
     gen: int = 0,
     at: float | None = None,
     **signals: float,
 ) -> dict[str, Any]:
     """A sampled report. ``report(0, 500, grade=6)`` puts the keyword signals on one layer
-    ``blocks.0``; pass ``layers`` for several. The summary is aggregated as the SDK does."""
+    ``blocks.0``; pass ``layers`` for several. The summary is aggregated as the SDK does;
+    ``step_time`` as for :func:`heartbeat`."""
     if layers is None:
         layers = {"blocks.0": dict(signals)}
     if summary is None:
         summary = summarize(layers)
-    return {
+    out = {
         **_base("report", rank, step, gen, at),
         "loss": loss,
         "lr": lr,
@@ -89,6 +97,9 @@ def report(
         "layers": layers,
         "summary": summary,
     }
+    if step_time is not None:
+        out["step_time"] = step_time
+    return out
 
 
 def exit_(
