@@ -198,6 +198,12 @@ def _render_status(status: dict[str, Any]) -> str:
     ]
     if status.get("dropped"):
         lines.append(f"dropped reports: {status['dropped']}")
+    for e in status.get("excluded_nodes") or []:
+        if isinstance(e, dict):
+            lines.append(
+                f"node {e.get('node_id')} excluded ({e.get('cause')}, rank {e.get('rank')}): "
+                f"{e.get('reason')}"
+            )
     lines += _next_steps(status)
     return "\n".join(lines)
 

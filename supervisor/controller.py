@@ -29,7 +29,7 @@ from spikeguard.workers.contract.logs import logger
 from . import rundir
 from .act import upkeep
 from .act.effects import Effects
-from .decide import events
+from .decide import events, health
 from .decide import recovery as rc
 from .decide.observation import observation_of, observations_of
 from .intake import operator
@@ -281,6 +281,8 @@ class Controller:
         for poll in polls:
             if self.on_output is not None and (poll.output or poll.output_skipped):
                 self.on_output(poll)
+        for suspect in health.health_suspects(polls, self.state.generation):
+            self._apply(suspect)  # before the exits: a relaunch they cause avoids the node
         self.reader.read(polls, now)
         self.reader.feed(self.collector.check_hangs(now))
         self.reader.reports.flush()
@@ -307,9 +309,14 @@ class Controller:
         if gen is None or msg.get("gen") != gen:
             return  # fenced (or replaced) while handling an earlier message of this poll
         views = self.collector.ranks
-        for decision in self.engine.observe(msg):
+        decisions = list(self.engine.observe(msg))
+        for suspect in health.suspects_of(msg, decisions, gen):
+            self._apply(suspect)  # before the decisions: the relaunch they start avoids the node
+        for decision in decisions:
             hist = self.collector.history
-            self._apply(observation_of(decision, msg, views=views, history=hist))
+            self._apply(
+                observation_of(decision, msg, views=views, history=hist, nodes=self.state.nodes)
+            )
             if self.collector.generation != gen:
                 return  # acted upon: the generation was fenced (and maybe replaced)
         for obs in observations_of(msg, gen):

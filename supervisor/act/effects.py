@@ -180,7 +180,8 @@ class Effects:
         return rc.CheckpointChosen(info.path, step=info.step, sha256=info.sha256, grade=info.grade)
 
     def launch(self, eff: rc.Launch) -> rc.Observation:
-        """Wait the backoff, reap leftovers, write the plan and the fence, start the ranks."""
+        """Wait the backoff, reap leftovers, write the plan and the fence, start the ranks (off
+        the run's excluded nodes, ``eff.avoid``, where the cluster has room elsewhere)."""
         s = self.settings
         delay = rc.backoff_delay(eff.backoff_attempt, s.backoff_base_s, s.backoff_max_s)
         if delay and self.sleep(delay):
@@ -204,12 +205,21 @@ class Effects:
                 plan_path=plan_path,
                 fence_file=str(self.paths.fence_file),
                 ckpt_dir=self.paths.ckpt_dir,
+                avoid=eff.avoid,
             )
         except LaunchError as e:
             return rc.LaunchFailed(f"launching generation {gen} failed: {e}")
         self.collector.new_generation(gen, self.clock(), start_step=plan.start_step)
         port = ranks[0].port if ranks else None
-        return rc.Launched(gen, ranks=tuple(r.to_dict() for r in ranks), port=port, backoff_s=delay)
+        placement = getattr(self.group, "placement", None)
+        return rc.Launched(
+            gen,
+            ranks=tuple(r.to_dict() for r in ranks),
+            port=port,
+            backoff_s=delay,
+            nodes=tuple(r.node_id or "" for r in ranks),
+            unavoided=placement.unavoided if eff.avoid and placement is not None else None,
+        )
 
     def request_checkpoint(self, eff: rc.RequestCheckpoint) -> rc.Observation | None:
         """Ask every rank to save at its next step boundary; with ``wait``, the machine hears

@@ -66,6 +66,10 @@ class Kind(str, enum.Enum):
     FORENSICS = "forensics"
     """At an incident's kill, the ranks' recent batch ids were asked for and stored in the run
     directory (``path``), or no rank answered in time."""
+    NODE_EXCLUDED = "node_excluded"
+    """A node is kept out of the run's later placements (``node_id``, ``cause``: lost, unhealthy
+    or straggler; ``excluded``: every node kept out so far), or a launch had to be placed on
+    excluded nodes after all (code ``exclusion_unplaceable``)."""
     OPERATOR = "operator"
     """A human acted on the run (``spikeguard ack|hold|resume``, a Slack button): who
     (``who``, ``via``), why (``note``), the request's id (``request``), and what it did
@@ -129,6 +133,7 @@ READERS: dict[Kind, Reader] = {
     Kind.ALERT: _S | _T,
     Kind.FORENSICS: _S | _T,
     Kind.OPERATOR: _S | _T,
+    Kind.NODE_EXCLUDED: _S | _T,
 }
 """Who reads each kind; a kind not listed is bookkeeping, read by ``spikeguard events`` only."""
 
@@ -211,6 +216,17 @@ class Code(str, enum.Enum):
     LAYERS_CAPPED = "layers_capped"
     """Ranks sent more distinct layer names than the supervisor keeps (``MAX_LAYERS_PER_RANK``):
     the others are dropped from their reports (written by the tick reader, once a rank)."""
+    # nodes kept out of the run (``node_excluded`` events)
+    NODE_LOST = "node_lost"
+    """A rank's agent was lost (its node died, was removed or froze): the node is excluded."""
+    NODE_UNHEALTHY = "node_unhealthy"
+    """A rank's accelerators failed a health check (a GPU off the bus, an uncorrectable ECC
+    error): the node is excluded."""
+    NODE_STRAGGLER = "node_straggler"
+    """A straggler rule that names a rank recovered: the rank's node is excluded."""
+    EXCLUSION_UNPLACEABLE = "exclusion_unplaceable"
+    """No node outside the excluded ones fitted within the placement timeout: the launch was
+    placed where it could, excluded nodes included (they stay excluded)."""
     # a human's hand (``operator`` events)
     ACKNOWLEDGED = "acknowledged"
     """Someone acknowledged the incident: its repeats stop, pagers get ``acknowledge``."""

@@ -28,12 +28,15 @@ def observation_of(
     *,
     views: Mapping[int, Any],
     history: Iterable[dict[str, Any]],
+    nodes: tuple[str, ...] = (),
 ) -> rc.Observation:
     """The machine's observation for an engine ``decision`` on ``msg``.
 
     ``views``: the collector's per-rank views (loss, grad norm, summary grade, step);
-    ``history``: the collector's recent samples, for the chart. A recover decision carries its
-    rule's recovery settings (``decision.recovery``: the policy's, with the rule's overrides)."""
+    ``history``: the collector's recent samples, for the chart; ``nodes``: the Ray node id of
+    each rank of the generation (:attr:`~.recovery.State.nodes`), so that what the decision says
+    of a rank names its node too. A recover decision carries its rule's recovery settings
+    (``decision.recovery``: the policy's, with the rule's overrides)."""
     d = decision
     details: dict[str, Any] = {
         "action": d.action,
@@ -43,6 +46,8 @@ def observation_of(
         "rank": d.rank,
         "layer": d.layer,
     }
+    if isinstance(d.rank, int) and 0 <= d.rank < len(nodes) and nodes[d.rank]:
+        details["node_id"] = nodes[d.rank]
     if d.action == "stop":
         return rc.StopRequested(f"policy rule {d.rule}: {d.reason}")
     if d.action == "checkpoint" and not d.resolved:

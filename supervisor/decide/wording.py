@@ -335,6 +335,23 @@ def _operator_stop(f: Values, c: Values) -> str:
     return f"stop asked {_by(f)}"
 
 
+def _node_excluded(what: str) -> Wording:
+    def word(f: Values, c: Values) -> str:
+        return (
+            f"node {f['node_id'][:12]} (rank {f['rank']}, generation {f['generation']}) {what}: "
+            f"{c['reason']}; later launches are placed without it"
+        )
+
+    return word
+
+
+def _exclusion_unplaceable(f: Values, c: Values) -> str:
+    return (
+        f"generation {f['generation']} could not be placed without the excluded nodes "
+        f"({len(f['excluded'])}): {c['why']}; placed where it could, on them too"
+    )
+
+
 def _fixed(text: str) -> Wording:
     def word(f: Values, c: Values) -> str:
         return text
@@ -397,6 +414,10 @@ WORDING: dict[tuple[Kind, Code], Wording] = {
     (Kind.OPERATOR, Code.OPERATOR_RESUMED): _operator_resumed,
     (Kind.OPERATOR, Code.OPERATOR_REFUSED): _operator_refused,
     (Kind.OPERATOR, Code.OPERATOR_STOP): _operator_stop,
+    (Kind.NODE_EXCLUDED, Code.NODE_LOST): _node_excluded("was lost"),
+    (Kind.NODE_EXCLUDED, Code.NODE_UNHEALTHY): _node_excluded("failed a health check"),
+    (Kind.NODE_EXCLUDED, Code.NODE_STRAGGLER): _node_excluded("straggled"),
+    (Kind.NODE_EXCLUDED, Code.EXCLUSION_UNPLACEABLE): _exclusion_unplaceable,
 }
 """The prose of every event the machine journals, by (kind, code)."""
 

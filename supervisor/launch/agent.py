@@ -30,6 +30,7 @@ from spikeguard.workers.channel import peer_problem
 
 from .. import rundir
 from .interface import LaunchedRank, NodeInfo, RankKill, RankPoll
+from .nvml import HealthMonitor
 
 MAX_BUFFERED_LINES = 20000
 MAX_LINE_BYTES = 1 << 20
@@ -318,20 +319,33 @@ class RankAgent:
         self._active: _Process | None = None
         self._standby: _Process | None = None
         self._mutex = threading.Lock()  # start / release / kill of the processes
+        self._health: HealthMonitor | None = None
+        """Reads the rank's GPUs from NVML every few seconds (None: no GPUs, or no NVML)."""
+        self._health_watched = False
 
     # -- placement facts ------------------------------------------------------------------
     def node_info(self) -> NodeInfo:
         """Where this agent (and so its rank) runs."""
         import ray
 
+        gpus = tuple(str(g) for g in ray.get_gpu_ids())
+        self.watch_gpus(gpus)
         return NodeInfo(
             node_id=ray.get_runtime_context().get_node_id(),
             ip=ray.util.get_node_ip_address(),
             host=socket.gethostname(),
             pid=os.getpid(),
-            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+            gpu_ids=gpus,
             cwd=self._cwd,
         )
+
+    def watch_gpus(self, gpus: tuple[str, ...], nvml: Any = None) -> None:
+        """Start reading the health of the rank's ``gpus`` from NVML (once; nothing without
+        GPUs or NVML). ``nvml``: the binding (None: ``pynvml``; a test passes a fake)."""
+        if self._health_watched:
+            return
+        self._health_watched = True
+        self._health = HealthMonitor.start(gpus, nvml)
 
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -470,8 +484,9 @@ class RankAgent:
             "standby_exit": standby_exit,
             "standby_tail": sb.tail() if sb is not None and standby_exit is not None else "",
         }
+        health = self._health.take() if self._health is not None else None
         if p is None:
-            return RankPoll(rank=self.rank, generation=-1, **standby)
+            return RankPoll(rank=self.rank, generation=-1, health=health, **standby)
         lines, overflow, oversize, age = p.drain()
         code = p.exit_code()
         output, skipped = p.new_output()
@@ -487,6 +502,7 @@ class RankAgent:
             log_tail=p.tail() if code is not None else "",
             output=output,
             output_skipped=skipped,
+            health=health,
             **standby,
         )
 

@@ -33,6 +33,7 @@ from .interface import (
     LaunchedRank,
     LaunchError,
     NodeInfo,
+    Placement,
     RankKill,
     RankPoll,
     StandbyChange,
@@ -49,6 +50,9 @@ STANDBY_MAX_FAILURES = 3
 """Standbys that die in a row (while waiting) before standby is given up for the run."""
 ALL_GENERATIONS = 1 << 62
 """Above every generation number: :func:`.reaper.kill_stale` below it kills them all."""
+NODE_ID_LABEL = "ray.io/node-id"
+"""The label Ray gives every node, its node id: what a placement's bundle label selector keeps
+excluded nodes out by (``!in(id1,id2)``)."""
 
 
 class WorkerGroup:
@@ -80,6 +84,11 @@ class WorkerGroup:
         from every other process of the node (:mod:`.reaper`)."""
         self.on_wait: WaitReport | None = None
         """Told while a launch waits for its placement (set by the controller)."""
+        self._avoid_tried: tuple[str, ...] = ()
+        """The nodes the current gang was asked to avoid when it was placed."""
+        self.placement: Placement | None = None
+        """How the current gang was placed with respect to the nodes it was to avoid (None: no
+        gang yet)."""
         self._working_dir = False
         """The job has a runtime-env working directory (Ray Jobs' ``--working-dir``): every node
         has its own copy, and each rank starts in its node's (see :func:`.topology.rank_start`)."""
@@ -124,26 +133,54 @@ class WorkerGroup:
             log.warning("reporting the placement wait failed: %s", e)
         return True
 
-    def start(self) -> None:
-        """Reserve the gang and start one agent per rank (no training process yet)."""
+    def _reserve(self, bundle: dict[str, float], avoid: tuple[str, ...]) -> bool:
+        """Create the placement group, its bundles kept off the nodes ``avoid`` names (a label
+        selector on Ray's node-id label), and wait for it; False (and no group) when it was not
+        placed within ``placement_timeout_s``."""
         s = self.spec
-        bundle: dict[str, float] = {"CPU": s.cpus_per_worker}
-        if s.gpus_per_worker:
-            bundle["GPU"] = s.gpus_per_worker
         self._builds += 1
+        selector = {}
+        if avoid:
+            selector["bundle_label_selector"] = [
+                {NODE_ID_LABEL: f"!in({','.join(sorted(avoid))})"} for _ in range(s.world_size)
+            ]
         self._pg = placement_group(
             [dict(bundle) for _ in range(s.world_size)],
             strategy=s.strategy,
             name=f"spikeguard-{self.run_id}-{self._builds}",
+            **selector,
         )
-        if not self._placed(bundle):
-            remove_placement_group(self._pg)
-            self._pg = None
+        if self._placed(bundle):
+            return True
+        remove_placement_group(self._pg)
+        self._pg = None
+        return False
+
+    def start(self, avoid: tuple[str, ...] = ()) -> None:
+        """Reserve the gang and start one agent per rank (no training process yet), off the
+        nodes ``avoid`` names when the cluster can place it elsewhere within the placement
+        timeout; otherwise where it can (and :attr:`placement` says why)."""
+        s = self.spec
+        bundle: dict[str, float] = {"CPU": s.cpus_per_worker}
+        if s.gpus_per_worker:
+            bundle["GPU"] = s.gpus_per_worker
+        self._avoid_tried, unavoided = tuple(sorted(avoid)), None
+        placed = False
+        if avoid:
+            placed = self._reserve(bundle, self._avoid_tried)
+            if not placed:
+                unavoided = (
+                    f"no placement of {s.world_size} workers with {bundle} each ({s.strategy}) "
+                    f"off the {len(avoid)} excluded node(s) within {s.placement_timeout_s:.0f}s"
+                )
+                log.warning("%s: placing the gang where it fits, excluded nodes too", unavoided)
+        if not placed and not self._reserve(bundle, ()):
             raise LaunchError(
                 f"could not place {s.world_size} workers with {bundle} each ({s.strategy}) "
                 f"within {s.placement_timeout_s:.0f}s (job placement.timeout_s): the cluster "
                 "lacks the resources, or the nodes for this strategy"
             )
+        self.placement = Placement(avoid=self._avoid_tried, unavoided=unavoided)
         actor_cls = ray.remote(RankAgent)
         # the agent takes its rank's GPUs from the bundle, so Ray assigns it device ids (and no
         # other run on the node gets them); the bundle's CPUs are left to the rank's process.
@@ -183,10 +220,19 @@ class WorkerGroup:
             return False
         return True
 
-    def rebuild(self) -> None:
-        """Drop the agents and the placement group; place a new gang on the nodes alive now."""
+    def rebuild(self, avoid: tuple[str, ...] = ()) -> None:
+        """Drop the agents and the placement group; place a new gang on the nodes alive now
+        (off the nodes ``avoid`` names, where it can)."""
         self._drop()
-        self.start()
+        self.start(avoid)
+
+    def _must_move(self, avoid: tuple[str, ...]) -> bool:
+        """The gang sits on a node it is now asked to avoid, and has not yet tried to avoid
+        exactly these (a gang placed on them because nothing else fitted stays until the
+        exclusions change or an agent is lost)."""
+        if not avoid or tuple(sorted(avoid)) == self._avoid_tried:
+            return False
+        return any(n.node_id in avoid for n in self._nodes)
 
     def _drop(self) -> None:
         self._standby_gen, self._standby_dead = None, {}  # they go with their agents
@@ -312,16 +358,20 @@ class WorkerGroup:
         plan_path: str | None,
         fence_file: str,
         ckpt_dir: str,
+        avoid: tuple[str, ...] = (),
     ) -> list[LaunchedRank]:
         """Start generation ``generation``: the standby of that generation released if there is
         a live one (:meth:`standby`), otherwise fresh processes on a fresh master port.
 
-        Rebuilds the gang first if an agent was lost. Raises :class:`LaunchError` when the gang
-        cannot be placed or started.
+        Rebuilds the gang first if an agent was lost, or if it sits on a node ``avoid`` names
+        (the run's excluded nodes: :meth:`start` keeps the new gang off them where it can).
+        Raises :class:`LaunchError` when the gang cannot be placed or started.
         """
         try:
-            if not self._healthy():
-                self.rebuild()
+            if not self._healthy() or self._must_move(avoid):
+                self.rebuild(avoid)
+            elif self.placement is not None and self.placement.avoid != tuple(sorted(avoid)):
+                self.placement = Placement(avoid=tuple(sorted(avoid)))  # off them already
             released = self._release(generation, plan_path)
             if released is not None:
                 self._drain_pending()

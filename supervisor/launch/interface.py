@@ -118,6 +118,10 @@ class RankPoll:
     """The standby's exit code once it ended (it should never end by itself)."""
     standby_tail: str = ""
     """The end of the standby's log, once it ended."""
+    health: dict[str, Any] | None = None
+    """The rank's accelerator signals, read from NVML every few seconds by its agent
+    (:func:`.nvml.signals_of`: ``gpu_ecc_errors``, ``gpu_xid``, ``gpu_throttle``, ``gpu_lost``);
+    None without GPUs or NVML."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -171,6 +175,17 @@ WaitReport = Callable[[dict[str, Any] | None], None]
 controller shows it in the live view and ``status.json``."""
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Placement:
+    """How the latest gang was placed with respect to the nodes it was asked to avoid."""
+
+    avoid: tuple[str, ...] = ()
+    """The node ids the launch was asked to keep off."""
+    unavoided: str | None = None
+    """Why it was placed without avoiding them (no other node fitted within the placement
+    timeout); None: it avoided them (or had none to avoid)."""
+
+
 class Group(Protocol):
     """What the controller needs from a launcher (Ray's :class:`~.group.WorkerGroup`, or a fake)."""
 
@@ -183,8 +198,11 @@ class Group(Protocol):
         plan_path: str | None,
         fence_file: str,
         ckpt_dir: str,
+        avoid: tuple[str, ...] = (),
     ) -> list[LaunchedRank]:
-        """Start every rank of ``generation``; raise :class:`LaunchError` if it cannot."""
+        """Start every rank of ``generation``, off the nodes ``avoid`` names where the cluster
+        has room elsewhere (what it did: ``placement``, a :class:`Placement`, where the group
+        has one); raise :class:`LaunchError` if it cannot."""
         ...
 
     def poll(self) -> list[RankPoll]:

@@ -415,6 +415,7 @@ TEMPLATES: dict[Kind, Callable[[_Fields], str]] = {
     Kind.ALERT: _alert,
     Kind.FORENSICS: _forensics,
     Kind.OPERATOR: _operator,
+    Kind.NODE_EXCLUDED: _headline("Node excluded"),
     Kind.SUPERVISOR_START: _headline("Supervisor started"),
     Kind.REAPED: _headline("Killed leftover rank processes"),
     Kind.STANDBY: _standby,

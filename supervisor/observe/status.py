@@ -34,6 +34,10 @@ def run_view(state: rc.State) -> dict[str, Any]:
         "exit_code": state.exit_code,
         "launch_failures": state.launch_failures,
         "incidents": state.incidents_seen,
+        "excluded_nodes": [
+            {"node_id": e.node_id, "cause": e.cause, "rank": e.rank, "reason": e.reason}
+            for e in state.excluded
+        ],
     }
 
 

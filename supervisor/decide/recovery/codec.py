@@ -53,7 +53,7 @@ def _revive(name: str, value: Any) -> Any:
         return Settings.from_dict(value)
     if name == "skipped":
         return tuple((str(path), str(why)) for path, why in value)
-    if name in ("ranks", "forced", "unreachable"):
+    if name in ("ranks", "forced", "unreachable", "nodes"):
         return tuple(value)
     if name == "skip_steps" and value is not None:
         return (int(value[0]), int(value[1]))

@@ -71,6 +71,7 @@ from .model import (
     CheckpointSaved,
     CheckpointWanted,
     Effect,
+    Exclusion,
     Finished,
     GraceExpired,
     Incident,
@@ -79,6 +80,7 @@ from .model import (
     Launch,
     Launched,
     LaunchFailed,
+    NodeSuspect,
     Notify,
     Observation,
     Phase,
@@ -142,7 +144,17 @@ def step(state: State, obs: Observation) -> Transition:
     handler = HANDLERS.get((state.phase, type(obs)))
     if handler is None:
         return Transition(state)
-    return _journaled(state, obs, handler(state, obs))
+    return _journaled(state, obs, _avoiding(handler(state, obs)))
+
+
+def _avoiding(done: _Step) -> _Step:
+    """Every launch the transition asks for keeps off the nodes its state excludes (the one
+    place a launch learns them: :attr:`Launch.avoid`)."""
+    avoid = tuple(e.node_id for e in done.state.excluded)
+    if not avoid or not any(isinstance(e, Launch) for e in done.effects):
+        return done
+    effects = tuple(_replace(e, avoid=avoid) if isinstance(e, Launch) else e for e in done.effects)
+    return _replace(done, effects=effects)
 
 
 def _journaled(before: State, obs: Observation, done: _Step) -> Transition:
@@ -505,7 +517,7 @@ def _launched(state: State, obs: Launched, cause: RelaunchCause) -> _Step:
     plan = state.plan or _plan(state, generation=obs.generation)
     inc = state.incident
     start_at = start_step(plan)
-    fields = dict(
+    fields: dict[str, Any] = dict(
         generation=obs.generation,
         lr_scale=state.lr_scale,
         cause=cause,
@@ -515,6 +527,8 @@ def _launched(state: State, obs: Launched, cause: RelaunchCause) -> _Step:
         pids=[r.get("pid") for r in obs.ranks],
         ranks=[dict(r) for r in obs.ranks],
     )
+    if state.excluded:
+        fields["excluded_nodes"] = [e.node_id for e in state.excluded]
     st = _replace(
         state,
         generation=obs.generation,
@@ -523,9 +537,32 @@ def _launched(state: State, obs: Launched, cause: RelaunchCause) -> _Step:
         lineage=(*state.lineage, (obs.generation, plan.checkpoint_step)),
         relaunch_cause=None,
         resume_to=None,
+        nodes=obs.nodes,
     )
     code = _LAUNCH_CODES[cause]
     at = {"start_step": start_at}
+    done = _launched_phase(state, st, obs, cause, _ev(Kind.LAUNCH, code, inc, at, **fields))
+    if obs.unavoided is None:
+        return done
+    unplaced = _ev(
+        Kind.NODE_EXCLUDED,
+        Code.EXCLUSION_UNPLACEABLE,
+        inc,
+        {"why": obs.unavoided},
+        generation=obs.generation,
+        excluded=[e.node_id for e in state.excluded],
+        placed_on=sorted({n for n in obs.nodes if n}),
+    )
+    return _replace(done, events=(*done.events, unplaced))
+
+
+def _launched_phase(
+    state: State, st: State, obs: Launched, cause: RelaunchCause, launch: MachineEvent
+) -> _Step:
+    """Where a launch leaves the run: probation after a recovery, else RUNNING (or the phase a
+    retry or a restart returns to), with its ``launch`` event first."""
+    inc = state.incident
+    start_at = start_step(st.plan)
     if cause == "recovery":
         assert inc is not None, "a recovery relaunch always has an incident"
         until = start_at + inc.settings.probation_steps
@@ -539,7 +576,7 @@ def _launched(state: State, obs: Launched, cause: RelaunchCause) -> _Step:
         return _Step(
             st,
             events=(
-                _ev(Kind.LAUNCH, code, inc, at, **fields),
+                launch,
                 _ev(
                     Kind.PROBATION_START,
                     Code.PROBATION_WINDOW,
@@ -550,9 +587,7 @@ def _launched(state: State, obs: Launched, cause: RelaunchCause) -> _Step:
             ),
         )
     if cause == "initial":
-        launch = _ev(Kind.LAUNCH, code, None, at, **fields)
         return _Step(_replace(st, phase=Phase.RUNNING), events=(launch,))
-    launch = _ev(Kind.LAUNCH, code, inc, at, **fields)
     return _Step(_replace(st, phase=state.resume_to or Phase.RUNNING), events=(launch,))
 
 
@@ -720,6 +755,43 @@ def _number(v: Any) -> float | None:
         return float(v)
     except (TypeError, ValueError):
         return None
+
+
+# ---- nodes kept out of the run -------------------------------------------------------------
+_NODE_CODES = {
+    "lost": Code.NODE_LOST,
+    "unhealthy": Code.NODE_UNHEALTHY,
+    "straggler": Code.NODE_STRAGGLER,
+}
+"""The ``node_excluded`` event's code, by why the node is excluded."""
+
+
+@_on(LIVE, NodeSuspect)
+def node_suspect(state: State, obs: NodeSuspect) -> _Step:
+    """A rank's node should not host the run again: exclude it for the rest of the run (every
+    later launch avoids it, :func:`_avoiding`). Nothing happens for a rank of another
+    generation, one whose node is unknown, or a node already excluded."""
+    if obs.generation != state.generation or not 0 <= obs.rank < len(state.nodes):
+        return _Step(state)
+    node = state.nodes[obs.rank]
+    if not node or any(e.node_id == node for e in state.excluded):
+        return _Step(state)
+    ex = Exclusion(
+        node_id=node, cause=obs.cause, reason=obs.reason, rank=obs.rank, generation=obs.generation
+    )
+    st = _replace(state, excluded=(*state.excluded, ex))
+    event = _ev(
+        Kind.NODE_EXCLUDED,
+        _NODE_CODES[obs.cause],
+        state.incident,
+        {"reason": obs.reason},
+        node_id=node,
+        cause=obs.cause,
+        rank=obs.rank,
+        generation=obs.generation,
+        excluded=[e.node_id for e in st.excluded],
+    )
+    return _Step(st, events=(event,))
 
 
 # ---- the run ends --------------------------------------------------------------------------------

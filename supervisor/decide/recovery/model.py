@@ -94,6 +94,9 @@ object lacks it: what the older supervisor did (which the new defaults no longer
 at its legacy value out, so the digests of older journals stay valid."""
 
 RelaunchCause = Literal["initial", "recovery", "launch_retry", "restart"]
+NodeCause = Literal["lost", "unhealthy", "straggler"]
+"""Why a node is kept out of the run: its agent was lost (the node died, was removed, froze), a
+health check of its accelerators failed, or a straggler rule recovered an incident on it."""
 GradeRule = Literal["absolute", "run baseline", "ungraded"]
 
 
@@ -176,6 +179,21 @@ class Incident:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Exclusion:
+    """A node kept out of every later placement of the run (:attr:`State.excluded`)."""
+
+    node_id: str
+    """Ray's id of the node."""
+    cause: NodeCause
+    reason: str
+    """What was seen there, in words."""
+    rank: int
+    """The rank that ran there when it was excluded."""
+    generation: int
+    """The generation that rank belonged to."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ResumeAsked:
     """A human's resume while its checkpoint is verified (:attr:`State.resume_asked`)."""
 
@@ -237,6 +255,12 @@ class State:
     ranks and waits for a human instead of rolling back."""
     resume_asked: ResumeAsked | None = None
     """A human's resume waiting for its checkpoint's verification (OPERATOR_RESUME)."""
+    nodes: tuple[str, ...] = ()
+    """The node id of each rank of the current generation ("" where unknown): how a rank named by
+    a decision becomes the node to exclude."""
+    excluded: tuple[Exclusion, ...] = ()
+    """Nodes kept out of every later placement for the rest of the run, oldest first (a
+    relaunch places without them when the cluster has room elsewhere: :attr:`Launch.avoid`)."""
     unjournaled: tuple[Observation, ...] = ()
     """Observations that changed the state without an event yet; the next event records them."""
 
@@ -301,6 +325,12 @@ class Launched:
     port: int | None = None
     backoff_s: float = 0.0
     """How long the supervisor waited before this launch."""
+    nodes: tuple[str, ...] = ()
+    """The node id of each rank ("" where unknown): journaled, so a rank a later decision names
+    maps to its node after a restart too (:attr:`State.nodes`)."""
+    unavoided: str | None = dataclasses.field(default=None, metadata=EVENT_ONLY)
+    """Why the launch was placed on excluded nodes after all (no other node fitted within the
+    placement timeout); None: it avoided them, or there were none."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,6 +358,18 @@ class RankExited:
     """It said ``done`` and then died with this code in teardown: finished all the same."""
     details: dict[str, Any] = dataclasses.field(default_factory=dict, metadata=EVENT_ONLY)
     """log_tail, lost, host: for the events."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSuspect:
+    """A rank's node should not host the run again: its agent was lost, its accelerators failed a
+    health check, or a straggler rule that names it recovered (:mod:`..health`)."""
+
+    rank: int
+    generation: int
+    """The generation of the rank (a suspect of a replaced generation is ignored)."""
+    cause: NodeCause
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -511,6 +553,7 @@ Observation = (
     | StopRequested
     | Restarted
     | Operator
+    | NodeSuspect
 )
 OBSERVATIONS: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Observation)}
 """Every observation type by name (how the journal names them)."""
@@ -557,6 +600,10 @@ class Launch:
     plan: ResumePlan
     backoff_attempt: int = 0
     """0: launch at once; n >= 1: wait :func:`backoff_delay` (n) first."""
+    avoid: tuple[str, ...] = ()
+    """Node ids to keep the gang off (:attr:`State.excluded`, filled in by
+    :func:`.machine.step` for every launch); where no other node fits, it is placed anyway and
+    :attr:`Launched.unavoided` says so."""
 
 
 @dataclasses.dataclass(frozen=True)
