@@ -61,6 +61,7 @@ TRAINING_MODULES = frozenset(
         "test_ray_init.py",
         "test_s3_supervised.py",
         "test_standby.py",
+        "test_step_time.py",
         "test_supervisor_ray.py",
     }
 )
@@ -76,6 +77,7 @@ FAULT_MODULES = frozenset(
         "test_faults_ranks.py",
         "test_faults_recovery.py",
         "test_faults_supervisor.py",
+        "test_node_exclusion.py",
         "test_node_workdir.py",
         "test_operator_resume.py",
         "test_pagers_supervised.py",
