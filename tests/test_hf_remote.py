@@ -33,10 +33,25 @@ from spikeguard.workers.checkpoint import choose, commit, mirror
 from spikeguard.workers.checkpoint.format import CheckpointError, CorruptCheckpointError
 
 __all__ = ["s3", "s3_server"]  # the fixtures, used by name
-pytestmark = pytest.mark.usefixtures("restore_environ")
+pytestmark = pytest.mark.usefixtures("restore_environ", "no_leftover_attention_capture")
 HERE = Path(__file__).resolve()
 
 RUN = "run/checkpoints"
+
+
+@pytest.fixture
+def no_leftover_attention_capture():
+    """Undo the HF attention capture a Trainer left installed: a test whose Trainer raises on
+    purpose (a refused resume) never closes its session, and the capture is process-wide (the
+    attention tests that run next in this process check that it is gone)."""
+    from spikeguard.workers.integrations import hf_attention
+
+    before = hf_attention._installs
+    yield
+    while hf_attention._installs > before:
+        hf_attention.uninstall()
+
+
 SEQ = 16
 
 
