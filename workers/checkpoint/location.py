@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from . import storage
-from .storage import LOCAL_SCHEMES, OBJECT_STORE_SCHEMES, scheme_of
+from .storage import LOCAL_SCHEMES, scheme_of
 
 __all__ = [
     "LOCAL_SCHEMES",
@@ -82,8 +82,8 @@ def problem(place: str) -> str | None:
     scheme = scheme_of(place)
     if scheme in LOCAL_SCHEMES:
         return None if local_path(place) else "an empty path"
-    if scheme not in OBJECT_STORE_SCHEMES:
-        served = ", ".join(f"{s}://" for s in OBJECT_STORE_SCHEMES)
+    if scheme not in storage.schemes():
+        served = ", ".join(f"{s}://" for s in storage.schemes() if s not in LOCAL_SCHEMES)
         return (
             f"{place!r}: no checkpoint storage serves {scheme}:// URLs (a plain path, file:// "
             f"or an object store: {served})"

@@ -57,6 +57,7 @@ __all__ = [
     "remove_quietly",
     "require_file",
     "scheme_of",
+    "schemes",
     "stat_file",
     "storage_for",
     "temp_name",
@@ -264,6 +265,12 @@ def register(*schemes: str) -> Callable[[_Factory], _Factory]:
         return factory
 
     return decorate
+
+
+def schemes() -> tuple[str, ...]:
+    """The schemes a storage is registered for, in the order they were registered (``""``:
+    plain paths)."""
+    return tuple(_REGISTRY)
 
 
 def unregister(scheme: str) -> None:

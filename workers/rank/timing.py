@@ -70,6 +70,15 @@ def _clamp(seconds: float) -> float:
     return min(max(seconds, 0.0), MAX_STEP_TIME_S)
 
 
+def _check_name(name: str) -> None:
+    """Raise ValueError unless ``name`` is a phase name (a script's bug, said at its first
+    use)."""
+    if not is_phase_name(name):
+        raise ValueError(
+            f"a phase name is a letter or '_' then up to 31 of [A-Za-z0-9_.-], got {name!r}"
+        )
+
+
 class _Phase:
     """One phase's ``with`` block (see :meth:`StepTimer.phase`)."""
 
@@ -213,10 +222,7 @@ class StepTimer:
         if name in self._phases or name in self._open:
             return True
         if name not in self._valid:
-            if not is_phase_name(name):
-                raise ValueError(
-                    f"a phase name is a letter or '_' then up to 31 of [A-Za-z0-9_.-], got {name!r}"
-                )
+            _check_name(name)
             if len(self._valid) < 4 * MAX_PHASES:  # a script naming phases anew each step
                 self._valid.add(name)
         if (
@@ -251,8 +257,7 @@ class StepTimer:
         more a block)."""
         block = self._blocks.get(name)
         if block is None:
-            if not is_phase_name(name):
-                self._admit(name)  # raises ValueError
+            _check_name(name)
             block = _Phase(self, name)
             if len(self._blocks) < 4 * MAX_PHASES:  # a script naming phases anew each step
                 self._blocks[name] = block
