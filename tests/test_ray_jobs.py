@@ -160,6 +160,15 @@ class Head:
         self.nodes.append((proc, temp, log))
         return temp
 
+    def node_log_tail(self, chars: int = 2000) -> str:
+        """The end of each worker node's ``ray start`` output (why a node never registered)."""
+        tails = []
+        for i, (proc, _, log) in enumerate(self.nodes, 1):
+            log.flush()
+            text = (self.root / f"node-{i}.log").read_text(errors="replace")
+            tails.append(f"node {i} (exit {proc.poll()}): {text[-chars:]}")
+        return "\n".join(tails)
+
     def client(self, *args: str, timeout: float = 60) -> dict:
         out = subprocess.run(
             [sys.executable, str(CLIENT), self.address, *args],

@@ -41,6 +41,9 @@ def held_job(tmp_path: Path, fail_at, hold: Path):
         steps=60,
         extra_args=["--hold-at", "30", "--hold-file", str(hold)],
         standby=True,
+        # a held rank sends no heartbeat: on a loaded machine a replacement standby can take
+        # longer than the usual 30 s to import torch, and the hold must not read as a hang
+        heartbeat_s=600.0,
     )
 
 
