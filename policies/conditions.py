@@ -189,6 +189,13 @@ class PeerRelative(_Leaf):
     """Fire when the rank's value is at least this × the median of its peers' (> 1, e.g. 1.3)."""
     below_peer_median: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False)
     """Fire when the rank's value is at most this × the median of its peers' (in (0, 1))."""
+    min_step_share: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False)
+    """With ``above_peer_median``: fire only when the rank's excess over the peers' median is at
+    least this share of the time between its steps (its pace over its latest ``median_of``
+    steps, from the messages' own clock): what its peers wait for it, per step, as a share of
+    the step. ``0.05``: a rank is not a straggler worth a warning unless it costs the job 5 % of
+    its time, however large the ratio of two short computations (a millisecond of scheduling
+    noise on a 3 ms forward is 1.3×)."""
     median_of: DurationOf("steps") = Field("5 steps", validate_default=True)  # type: ignore[valid-type]
     """The rank's value, and each peer's, is its median over its latest values in this many steps
     (the current one included; at least half of them reported), so one noisy step does not
@@ -213,6 +220,8 @@ class PeerRelative(_Leaf):
     def _one(self) -> PeerRelative:
         if (self.above_peer_median is None) == (self.below_peer_median is None):
             fail("use either 'above_peer_median' or 'below_peer_median'", "below_peer_median")
+        if self.min_step_share is not None and self.above_peer_median is None:
+            fail("'min_step_share' weighs what a slow rank costs: use it with above_peer_median")
         if self.median_of.value < 1:
             fail("'median_of' must span at least 1 step", "median_of")
         if self.peers_within.value < 1:

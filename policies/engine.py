@@ -419,7 +419,7 @@ class Engine:
         for (signal, _, _), table in self._peers.items():
             v = m.value(signal, None)
             if v is not None:
-                table.add(m.rank, m.step, v)
+                table.add(m.rank, m.step, v, number(m.raw.get("t")))
             table.expire(self._max_step)
 
     def _evaluate(self, c: _Compiled, m: RankMessage) -> list[Decision]:

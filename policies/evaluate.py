@@ -270,8 +270,9 @@ class Peers:
 
     def __init__(self, span: int, need: int, within: int) -> None:
         self.span, self.need, self.within = span, need, within
-        self._recent: dict[int, collections.deque[tuple[int, float]]] = {}
-        """Rank -> its finite (step, value) points, at most ``span`` (steps only increase)."""
+        self._recent: dict[int, collections.deque[tuple[int, float, float | None]]] = {}
+        """Rank -> its finite (step, value, t) points, at most ``span`` (steps only increase;
+        ``t``: the message's own clock, None when it has none)."""
         self._own: dict[int, float] = {}
         """Rank -> its median over its last ``span`` steps (when it has ``need`` values there)."""
         self._step: dict[int, int] = {}
@@ -294,15 +295,16 @@ class Peers:
         self._sorted.clear()
         self._low = self.top = None
 
-    def add(self, rank: int, step: int, value: float) -> None:
-        """Rank ``rank`` measured ``value`` at ``step`` (non-finite: not measured)."""
+    def add(self, rank: int, step: int, value: float, t: float | None = None) -> None:
+        """Rank ``rank`` measured ``value`` at ``step``, its clock reading ``t`` (non-finite
+        value: not measured; ``t`` None or non-finite: no pace from this point)."""
         pts = self._recent.get(rank)
         if pts is None:
             pts = self._recent[rank] = collections.deque(maxlen=self.span)
         if (pts and step <= pts[-1][0]) or not math.isfinite(value):
             return  # the report repeats its step's heartbeat, or arrived late
-        pts.append((step, value))
-        values = [v for s, v in pts if s > step - self.span]
+        pts.append((step, value, t if t is not None and math.isfinite(t) else None))
+        values = [v for s, v, _ in pts if s > step - self.span]
         self._uncount(rank)
         if len(values) < self.need:
             self._own.pop(rank, None)
@@ -348,7 +350,16 @@ class Peers:
 
     def values_of(self, rank: int) -> list[float]:
         """The rank's kept values, oldest first."""
-        return [v for _, v in self._recent.get(rank, ())]
+        return [v for _, v, _ in self._recent.get(rank, ())]
+
+    def pace(self, rank: int) -> float | None:
+        """The rank's seconds per step over its kept points, from the messages' own clock (None:
+        fewer than two points with a clock, or a clock that did not move forward)."""
+        timed = [(s, t) for s, _, t in self._recent.get(rank, ()) if t is not None]
+        if len(timed) < 2:
+            return None
+        (s0, t0), (s1, t1) = timed[0], timed[-1]
+        return (t1 - t0) / (s1 - s0) if t1 > t0 else None
 
     def own(self, rank: int) -> float | None:
         """The rank's median over its last ``span`` steps (None: fewer than ``need`` values)."""
@@ -720,16 +731,22 @@ def _peer(cond: PeerRelative, ctx: Context) -> Hit | None:
     med, n = peers
     if not peer_holds(cond, own, med):
         return None
+    cost = ""
+    if cond.min_step_share is not None:
+        pace = table.pace(rank)  # type: ignore[union-attr]
+        if pace is None or own - med < cond.min_step_share * pace:
+            return None
+        cost = f" ({(own - med) / pace:.0%} of its {pace:.3g} s steps)"
     s = cond.signal
     unit = spec_of(s).unit
     unit = f" {unit}" if unit else ""
     host = ctx.hosts.get(rank)
-    others = f"its {n} peer{'s' if n != 1 else ''}'"
+    others = "its one peer" if n == 1 else f"its {n} peers'"
     return Hit(
         s,
         own,
         None,
         f"{s}'s median {fmt(s, own)}{unit} over the last {cond.median_of} is "
-        f"{own / med:.2f}× the median {fmt(s, med)}{unit} of {others}"
+        f"{own / med:.2f}× the median {fmt(s, med)}{unit} of {others}{cost}"
         + (f", on host {host}" if host else ""),
     )

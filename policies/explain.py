@@ -95,6 +95,12 @@ def describe(cond: Any, layers: list[str] | None = None, nested: bool = False) -
             f"a rank's {s.removeprefix('the ')} (its median over the last {cond.median_of}) is "
             f"{side} {cond.factor:g}× the median of its peers' (the other ranks that reported "
             f"it within the last {cond.peers_within}; never on a single rank)"
+            + (
+                f", and its excess over that median is at least {cond.min_step_share:.0%} of "
+                "the time between its steps (what its peers wait for it)"
+                if cond.min_step_share is not None
+                else ""
+            )
         )
     raise TypeError(type(cond).__name__)
 

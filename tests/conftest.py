@@ -37,6 +37,7 @@ OWN_RAY_LAST = (
     "test_faults_nodes.py",
     "test_node_workdir.py",
     "test_ray_jobs.py",
+    "test_straggler_supervised.py",
 )
 """Modules that shut the shared Ray down to run their own (a multi-node ``Cluster``, a ``ray start``
 head, the bench's embedded Ray). They run last, so the session's Ray starts once instead of once
@@ -88,6 +89,7 @@ FAULT_MODULES = frozenset(
         "test_slack_buttons.py",
         "test_slack_supervised.py",
         "test_standby_process.py",
+        "test_straggler_supervised.py",
     }
 )
 """Fault injection on real Ray: mostly waiting (for heartbeat timeouts, backoffs, grace periods),

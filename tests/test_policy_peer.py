@@ -45,12 +45,15 @@ def stream(
         for r in range(ranks)
         if hosts
     ]
+    t = 1.7e9
     for s in range(start, start + steps):
+        # the job's pace: every rank waits for the slowest, whose forward is half its step
+        t += 2 * max((time_of(r, s) or BASE) for r in range(ranks))
         for r in range(ranks):
             if skip(r, s):
                 continue
             make = report if s % 25 == 0 else heartbeat
-            out.append(make(r, s, step_time=time_of(r, s), gen=gen))
+            out.append({**make(r, s, step_time=time_of(r, s), gen=gen), "t": t})
     return out
 
 
@@ -76,7 +79,8 @@ def test_a_rank_at_1_5x_fires_once_for_that_rank_naming_it_and_its_host(ranks, s
     d = out[0]
     assert d.action == "notify" and d.severity == "warn" and d.signal == "step_time"
     assert f"rank {slow}:" in d.reason and f"on host node-{slow}" in d.reason
-    assert "1.50×" in d.reason and f"its {ranks - 1} peer" in d.reason
+    assert "1.50×" in d.reason
+    assert ("its one peer" if ranks == 2 else f"its {ranks - 1} peers'") in d.reason
     assert d.value == pytest.approx(BASE * 1.5)
 
 
@@ -226,6 +230,18 @@ def test_the_decision_is_made_whatever_the_ranks_arrival_order():
             "tests one thing",
         ),
         (
+            "{signal: step_time, below_peer_median: 0.5, min_step_share: 0.05}",
+            "",
+            "when",
+            "use it with above_peer_median",
+        ),
+        (
+            "{signal: step_time, above_peer_median: 1.3, min_step_share: 1.5}",
+            "",
+            "when.min_step_share",
+            "less than 1",
+        ),
+        (
             "{signal: step_tme, above_peer_median: 1.3}",
             "",
             "when.signal",
@@ -258,6 +274,37 @@ def test_the_builtin_rule_is_the_issue_s():
         (rule,) = [r for r in load_policy(name).rules if r.name == "straggler"]
         assert (rule.action, rule.severity, str(rule.for_)) == ("notify", "warn", "50 steps")
         assert (rule.when.signal, rule.when.above_peer_median) == ("step_time", 1.3)
+
+
+SHARE = load_policy_text(
+    _policy(when="{signal: step_time, above_peer_median: 1.3, min_step_share: 0.05}"), "share"
+)
+
+
+def _paced(msgs: list[dict], pace: float) -> list[dict]:
+    """The stream with every step ``pace`` seconds apart on the messages' own clock."""
+    return [{**m, "t": 1.7e9 + m["step"] * pace} for m in msgs]
+
+
+def test_a_ratio_that_costs_the_job_little_is_not_a_straggler():
+    """1.5x a 0.1 s compute is 0.05 s: 25 % of a 0.2 s step (fires), 2.5 % of a 2 s step (quiet:
+    the peers wait 2.5 % of the time); the same streams without min_step_share fire both."""
+    slow = stream(2, 600, slow_from(1, 200, 1.5))
+    assert fired(replay(SHARE, _paced(slow, 0.2))) == [(1, 251)]
+    assert fired(replay(SHARE, _paced(slow, 2.0))) == []
+    assert fired(replay(POLICY, _paced(slow, 2.0))) == [(1, 251)]
+    d = replay(SHARE, _paced(slow, 0.2))[0]
+    assert "(25% of its 0.2 s steps)" in d.reason, d.reason
+    for name in BUILTINS:  # the built-ins weigh the cost: quiet on the long steps
+        assert [
+            x for x in replay(load_policy(name), _paced(slow, 2.0)) if x.rule == "straggler"
+        ] == []
+
+
+def test_without_the_messages_clock_a_cost_cannot_be_weighed_and_nothing_fires():
+    slow = [{k: v for k, v in m.items() if k != "t"} for m in stream(2, 600, slow_from(1, 200, 2))]
+    assert fired(replay(SHARE, slow)) == []
+    assert fired(replay(POLICY, slow)) == [(1, 251)]
 
 
 def test_a_policy_can_recover_on_a_straggler_instead():

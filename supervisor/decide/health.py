@@ -29,6 +29,11 @@ a rank's step time is a straggler rule)."""
 GPU_SIGNALS = ("gpu_ecc_errors", "gpu_xid", "gpu_throttle", "gpu_lost")
 """The accelerator signals a rank agent reports from NVML (see
 :func:`spikeguard.supervisor.launch.nvml.signals_of`); none on a machine without NVML."""
+MACHINE_SIGNALS = STRAGGLER_SIGNALS | frozenset(GPU_SIGNALS)
+"""Signals of the machine a rank runs on, not of the model it trains: a recovery a rule on one of
+them decides is a fault of the process's kind (a crash, a hang), not a numerical one. It restarts
+from the newest checkpoint that verifies, whatever its grade (the model was healthy), with the
+rule's LR and optimizer settings; its relaunch leaves the rank's node out."""
 
 
 def suspects_of(

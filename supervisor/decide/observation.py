@@ -14,9 +14,12 @@ from typing import Any
 
 from . import recovery as rc
 from .events import jsonable
+from .health import MACHINE_SIGNALS
 
 FAULTS = frozenset({"exit", "hang"})
-"""Message types that are faults of the process (a crash, a hang), not a training signal."""
+"""Message types that are faults of the process (a crash, a hang), not a training signal. A
+recover decision on one, or on a signal of the machine (:data:`~.health.MACHINE_SIGNALS`: a
+straggler), is a fault: its rollback takes the newest checkpoint that verifies, of any grade."""
 CHART_KEYS = ("step", "grade", "attn_entropy_min", "loss", "max_logit")
 """The samples an incident's chart shows, most recent 60 of the rank that fired."""
 CHART_SAMPLES = 60
@@ -80,7 +83,7 @@ def observation_of(
         d.step,
         rc.Settings.from_policy(d.recovery),
         details=details,
-        fault=msg["type"] in FAULTS,
+        fault=msg["type"] in FAULTS or d.signal in MACHINE_SIGNALS,
         furthest_step=max(steps) if steps else None,
     )
 

@@ -20,6 +20,9 @@ the step this generation started at. Modes:
 ``garbage``      before the step, write malformed/invalid lines to its own report socket
 ``finish``       exit 0 before the step; from that step on no rank uses collectives (uneven data)
 ``slow``         from this step on sleep ``--slow-sleep`` seconds per step (a straggler)
+``straggle``     from this step on the model's forward is slower by half a step, inside the
+                 model (its last block sleeps half the median of the rank's own steps so far):
+                 the rank computes longer, and its peers wait in the all_reduce
 ``hostile``      before the step: write hostile lines onto its own report socket (JSON nested
                  5000 deep, 400-digit numbers in step/loss/grade/a layer signal, a ``dropped``
                  count that is a string), send an unencodable report through the SDK, plant
@@ -45,6 +48,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 from typing import Any
@@ -201,6 +205,17 @@ class QuickAdamW(torch.optim.AdamW):
     add_param_group = torch.optim.Optimizer.add_param_group.__wrapped__  # type: ignore[attr-defined]
 
 
+class Straggle:
+    """A forward hook that sleeps :attr:`seconds` (0: none) inside the model's forward."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self, module: Any, args: Any, output: Any) -> None:
+        if self.seconds:
+            time.sleep(self.seconds)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=120)
@@ -246,7 +261,11 @@ def main() -> int:
     plan, _, solo_from = faults(rank, gen, start)
     collapsing = nan = slow = False
     shift = args.data_shift if gen >= 2 else 0
+    durations: list[float] = []  # this rank's steps, wall seconds (straggle's half a step)
+    straggle = Straggle()
+    model.blocks[-1].register_forward_hook(straggle)
     for step in range(start, args.steps):
+        began = time.perf_counter()
         data_step = step - shift
         if sg.should_skip(step, batch_ids=[data_step, rank]):
             continue
@@ -269,6 +288,12 @@ def main() -> int:
             time.sleep(1.0)  # let the channel's writer send what it queued, then crash
             return 3
         slow = slow or mode == "slow"
+        if mode == "straggle" and not straggle.seconds:
+            straggle.seconds = 0.5 * statistics.median(durations[-20:] or [0.02])
+            print(
+                f"rank {rank}: forward slower by {straggle.seconds:.4f} s from step {step}",
+                flush=True,
+            )
         collapsing = collapsing or mode == "collapse"
         nan = nan or mode == "nan"
         if collapsing:
@@ -321,6 +346,7 @@ def main() -> int:
             time.sleep(args.step_sleep)
         if slow:
             time.sleep(args.slow_sleep)
+        durations.append(time.perf_counter() - began)
     sg.close()
     if world > 1 and solo_from is None:
         dist.destroy_process_group()
