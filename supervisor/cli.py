@@ -188,11 +188,11 @@ def _status_text(status: dict[str, Any]) -> str:
 
 
 def _render_status(status: dict[str, Any]) -> str:
-    from .sinks.console import render_status
+    from .sinks.console import is_terminal, render_status
 
     last = status["last_event"]
     lines = [
-        render_status(status),
+        render_status(status, color=is_terminal(sys.stdout)),  # a slow rank in red on a tty
         f"{status['events']} events, {status['incidents']} incident(s); last: "
         + (f"{last['kind']} — {last.get('reason') or ''}" if last else "none"),
     ]

@@ -131,6 +131,8 @@ def test_the_dashboard_has_the_panels_on_call_needs():
         "Grad norm with loss",
         "Per-layer grade (worst rank)",
         "Heartbeat age per rank",
+        "Step time per rank",  # a straggler, before any rule fires (test_step_time_views.py)
+        "Step time / peers' median",
     ):
         assert title in titles
     assert titles["Per-layer grade (worst rank)"]["type"] == "heatmap"

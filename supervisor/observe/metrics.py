@@ -26,10 +26,10 @@ reason.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import math
-import statistics
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -146,21 +146,60 @@ class Snapshot:
     now: float = 0.0
 
 
+STRAGGLER_RATIO = 1.3
+"""The ratio to the peers' median step time at which the views (the live view, ``status``, the
+Grafana board, the report) mark a rank slow: the built-in ``straggler`` rule's
+``above_peer_median`` (``tests/test_step_time_views.py`` holds them equal). A view's mark only:
+what warns or recovers is the policy's rule."""
+
+
+def is_slow(ratio: Any) -> bool:
+    """Whether a ratio to the peers' median marks a rank slow in the views: a finite number at
+    or above :data:`STRAGGLER_RATIO` (status.json is input too: anything else is not)."""
+    return _number(ratio) and math.isfinite(ratio) and ratio >= STRAGGLER_RATIO
+
+
 def peer_ratios(medians: Mapping[int, float | None]) -> dict[int, float]:
     """Per rank with a recent compute time: its ratio to the median of the other ranks' (none
-    for a rank alone, or whose peers' median is not positive)."""
-    known = {r: m for r, m in medians.items() if m is not None}
-    out = {}
+    for a rank alone, whose peers' median is not positive, or whose ratio is not a finite
+    number: a time that is not finite, or a ratio that overflows against a tiny median). The
+    one copy of the ratio every view shows: the metrics, ``status.json`` and the report."""
+    known = {
+        r: float(m) for r, m in medians.items() if m is not None and _number(m) and math.isfinite(m)
+    }
+    ordered = sorted(known.values())
+    n = len(ordered)
+    out: dict[int, float] = {}
+    if n < 2:
+        return out
     for rank, mine in known.items():
-        peers = [m for r, m in known.items() if r != rank]
-        if peers and (mid := statistics.median(peers)) > 0:
+        mid = _median_without(ordered, bisect.bisect_left(ordered, mine))
+        if mid > 0 and math.isfinite(mine / mid):
             out[rank] = mine / mid
     return out
 
 
+def _median_without(ordered: list[float], i: int) -> float:
+    """The median of sorted ``ordered`` without its element ``i`` (an index away: a thousand
+    ranks cost a sort, not a million comparisons)."""
+    k = len(ordered) - 1
+
+    def at(j: int) -> float:  # position j of the list without element i
+        return ordered[j if j < i else j + 1]
+
+    return at(k // 2) if k % 2 else (at(k // 2 - 1) + at(k // 2)) / 2
+
+
+def step_ratios(collector: Collector) -> dict[int, float]:
+    """:func:`peer_ratios` of the collector's ranks' recent step-time medians
+    (:meth:`~..intake.collector.RankView.step_time_median`): what the metrics and
+    ``status.json`` show."""
+    return peer_ratios({v.rank: v.step_time_median() for v in collector.ranks.values()})
+
+
 def snapshot(state: rc.State, collector: Collector, now: float) -> Snapshot:
     """The :class:`Snapshot` of a controller's machine state and collector at ``now``."""
-    ratios = peer_ratios({v.rank: v.step_time_median() for v in collector.ranks.values()})
+    ratios = step_ratios(collector)
     ranks = tuple(
         RankSnapshot(
             rank=v.rank,

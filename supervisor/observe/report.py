@@ -6,6 +6,10 @@ order:
 * the run at a glance (outcome, generations, incidents, LR scale, final loss) and the incidents;
 * four panels over the whole run, one color per generation, incidents and recovery steps as
   markers: effective-rank ratio, grade S0–S7, attention entropy mean/min, grad norm with loss;
+* each rank's step time over the steps (the seconds it computed in a step, a mean per bin of
+  steps), the slowest ranks of each generation drawn against the median of all its ranks, with
+  a table of their ratios to their peers' (``SLOW`` from
+  :data:`~.metrics.STRAGGLER_RATIO`): a straggler stands out before or without any rule;
 * per-layer × step heatmaps of the grade and of the normalised min-head attention entropy, one
   band per generation, the layer each incident fired on marked: which layer fell first;
 * the checkpoints with their grades, the best healthy one marked (what a rollback would pick);
@@ -35,8 +39,18 @@ from ..decide.lifecycle import outcome_of
 from ..intake import forensics as fx
 from ..redaction import held_secrets
 from .describe import describe, ranks_text
-from .metrics import badness
-from .rundata import Forensics, Generation, LayerSeries, RunData, load_run
+from .metrics import STRAGGLER_RATIO, badness, is_slow, peer_ratios
+from .rundata import (
+    STRETCH_BINS,
+    Forensics,
+    Generation,
+    LayerSeries,
+    RunData,
+    StepTimes,
+    Stretch,
+    load_run,
+)
+from .status import ratio_text, seconds_text
 from .svg import PALETTE, Axis, Chart, color_scale, esc, finite
 
 WIDTH = 1100
@@ -49,6 +63,11 @@ MAX_COLUMNS = 400
 MAX_LAYER_ROWS = 48
 """A heatmap band shows at most this many layers (the ones that fell lowest, of the
 :data:`.rundata.MAX_LAYER_SERIES` the run data keeps); the rest are counted under the band."""
+MAX_STEP_TIME_LINES = 6
+"""Per generation, the step-time chart draws this many ranks (the slowest against their peers)
+besides the median of all its ranks; the table lists the same ones."""
+MEDIAN_COLOR = "#888888"
+"""The step-time chart's line of the median over a generation's ranks."""
 MAX_IDS_SHOWN = 12
 """Batch-id entries listed per rank of an incident (the file has them all)."""
 HEATMAPS: dict[str, tuple[str, float, float]] = {
@@ -129,6 +148,8 @@ class _Page:
             "<h2>The run by generation</h2>",
             self.legend_note(),
             *self.panels(),
+            "<h2>Step time per rank: which rank is slow</h2>",
+            *self.step_times(),
             "<h2>Per layer: which layer fell first</h2>",
             '<p class="legend-note">One band per generation, one row per layer, the worst '
             "over ranks at each sampled step (red: low, green: healthy, grey: not sampled). "
@@ -316,6 +337,113 @@ class _Page:
             color, what = MARKERS[str(kind)]
             label = f"{what} at step {step}: {redact(describe(e), self.secrets)}"
             chart.vline(step, color=color, css_class=str(kind), label=label)
+
+    # -- step time per rank -------------------------------------------------------------------
+    def step_times(self) -> list[str]:
+        """The step-time chart and its table (:meth:`_slowest` of each generation), or a line
+        saying the run's loop measured no step time."""
+        gens = [g for g in self.run.generations.values() if g.step_times.rows]
+        if not gens:
+            return [
+                '<p class="muted">No step time in the reports (the training loop does not '
+                "measure it: <code>step_timing=False</code>, or a forward that communicates).</p>"
+            ]
+        picked = [(g, self._slowest(g.step_times)) for g in gens]
+        values = [v for g, rows in picked for r, *_ in rows for _, v in g.step_times.series(r)]
+        values += [v for g in gens for _, v in g.step_times.median_series()]
+        chart = Chart(
+            title="Step time per rank: seconds computing per step (grey dashed: median of ranks)",
+            x=self.x,
+            y=Axis.fit([0.0, *values]),
+            width=WIDTH,
+            height=230,
+            y_label="seconds",
+            css_class="step-time",
+            left=LEFT,
+            right=RIGHT,
+        )
+        colors: dict[int, str] = {}
+        for g, rows in picked:
+            st = g.step_times
+            chart.line(
+                st.median_series(),
+                color=MEDIAN_COLOR,
+                dashed=True,
+                css_class="step-median",
+                label=f"generation {g.number}: median of its {len(st.rows)} ranks",
+            )
+            for rank, median, ratio, stretch in rows:
+                color = colors.setdefault(rank, PALETTE[len(colors) % len(PALETTE)])
+                label = f"generation {g.number} rank {rank}: {seconds_text(median)}"
+                if ratio is not None:
+                    label += f", {ratio_text(ratio)} its peers' median"
+                slow = stretch is not None and is_slow(stretch.ratio)
+                if stretch is not None and slow:
+                    label += (
+                        f"; {ratio_text(stretch.ratio)} over steps {stretch.first}–{stretch.last}"
+                    )
+                chart.line(
+                    st.series(rank),
+                    color=color,
+                    css_class="rank-step slow" if slow else "rank-step",
+                    label=label + (" (SLOW)" if slow else ""),
+                    stroke_width=2.6 if slow else 1.3,
+                )
+        self._markers(chart)
+        legend = [(c, f"r{r}") for r, c in list(colors.items())[: len(PALETTE)]]
+        legend.append((MEDIAN_COLOR, "median of ranks"))
+        return [chart.render(legend=legend), self._step_table(picked)]
+
+    def _slowest(self, st: StepTimes) -> list[tuple[int, float, float | None, Stretch | None]]:
+        """(rank, median step time, its ratio to its peers' median over the generation, its
+        slowest stretch) of the :data:`MAX_STEP_TIME_LINES` ranks of a generation slowest
+        against their peers at their slowest (:meth:`~.rundata.StepTimes.stretches`: a rank
+        that became slow late in the generation too), the slowest first. A rank is slow (SLOW)
+        when its slowest stretch is (:func:`~.metrics.is_slow`)."""
+        medians = st.medians()
+        ratios = peer_ratios(medians)
+        stretches = st.stretches()
+
+        def key(r: int) -> tuple[float, float, float, int]:
+            worst = stretches[r].ratio if r in stretches else 0.0
+            return (-worst, -ratios.get(r, 0.0), -medians[r], r)
+
+        order = sorted(medians, key=key)[:MAX_STEP_TIME_LINES]
+        return [(r, medians[r], ratios.get(r), stretches.get(r)) for r in order]
+
+    def _step_table(self, picked: list[tuple[Generation, list[Any]]]) -> str:
+        out = [
+            f'<p class="legend-note">Each line is one rank\'s mean step time per bin of steps; '
+            f"at its slowest, a rank's ratio to its peers' median over {STRETCH_BINS} "
+            f"consecutive bins; at or above x{STRAGGLER_RATIO:g} (the built-in "
+            "<code>straggler</code> rule's threshold) it is marked SLOW.</p>",
+            "<table><tr><th>generation</th><th>rank</th><th>step time (median)</th>"
+            "<th>at its slowest / peers' median</th><th>over steps</th>"
+            "<th>over the generation</th><th>steps per bin</th></tr>",
+        ]
+        for g, rows in picked:
+            st = g.step_times
+            for rank, median, ratio, stretch in rows:
+                slow = stretch is not None and is_slow(stretch.ratio)
+                worst = "—" if stretch is None else ratio_text(stretch.ratio)
+                worst += " SLOW" if slow else ""
+                where = "—" if stretch is None else f"{stretch.first}–{stretch.last}"
+                klass = ' class="bad slow"' if slow else ""
+                overall = "—" if ratio is None else ratio_text(ratio)
+                out.append(
+                    f"<tr><td>{esc(g.number)}</td><td>{esc(rank)}</td>"
+                    f"<td>{esc(seconds_text(median))}</td><td{klass}>{esc(worst)}</td>"
+                    f"<td>{esc(where)}</td><td>{esc(overall)}</td><td>{esc(st.width)}</td></tr>"
+                )
+            hidden = len(st.rows) - len(rows)
+            if hidden > 0 or st.left_out:
+                note = f"+{hidden} faster ranks not shown" if hidden > 0 else ""
+                if st.left_out:
+                    note += f"{'; ' if note else ''}{st.left_out} values of ranks beyond "
+                    note += f"the first {len(st.rows)} not kept"
+                out.append(f'<tr><td></td><td colspan="6" class="muted">{esc(note)}</td></tr>')
+        out.append("</table>")
+        return "".join(out)
 
     # -- heatmaps -----------------------------------------------------------------------------
     def heatmaps(self) -> list[str]:

@@ -16,6 +16,10 @@ worst :data:`MAX_LAYER_SERIES` layers of each generation and signal only: a run 
 reported tens of thousands of layer names (an old run, a hostile rank) costs the report time in
 proportion to its file and memory in proportion to that bound, not to names × steps. The layers
 left out are counted (:attr:`Generation.layer_count`), so the page can say how many it hides.
+Per (generation, rank): its ``step_time`` (seconds it computed in a step), the mean over bins of
+steps (:class:`StepTimes`: at most :data:`MAX_STEP_BINS` bins a rank, at most
+:data:`MAX_TIMED_RANKS` ranks a generation), a timing kept only as validation would accept it
+(:func:`~spikeguard.workers.contract.messages.is_timing`: finite, in [0, ``MAX_STEP_TIME_S``]).
 """
 
 from __future__ import annotations
@@ -24,18 +28,20 @@ import dataclasses
 import gzip
 import heapq
 import math
+import statistics
+from array import array
 from pathlib import Path
 from typing import IO, Any
 
 from spikeguard.workers.checkpoint.choose import list_checkpoints
-from spikeguard.workers.contract.messages import loads_text
+from spikeguard.workers.contract.messages import is_timing, loads_text
 from spikeguard.workers.contract.signals import LAYER_SIGNALS, worse
 
 from ..decide import recovery as rc
 from ..intake import forensics
 from ..journal import read_events
 from ..settings import RunPaths
-from .metrics import badness
+from .metrics import badness, peer_ratios
 
 HEATMAP_SIGNALS = ("grade", "attn_entropy_min_norm")
 """The per-layer signals kept per layer: the ones the report's heatmaps show (every declared
@@ -133,6 +139,136 @@ def _order_of(name: str, order: dict[str, int]) -> int:
     return at
 
 
+MAX_STEP_BINS = 256
+"""Per rank of a generation, its step times are kept as means over at most this many bins of
+equal width (in steps): a rank costs the same whatever the generation's length. The width
+doubles (or more, at once) when a step falls beyond the last bin."""
+MAX_TIMED_RANKS = 4096
+"""Per generation, the ranks whose step times are kept (the first this many to report one; the
+values of the others are counted, :attr:`StepTimes.left_out`)."""
+STRETCH_BINS = 5
+"""A rank's slowest stretch (:meth:`StepTimes.stretches`) is over this many consecutive bins it
+has a ratio in: one slow step (a checkpoint, a probe) is not a stretch, a rank slow for a while
+is, whenever in the generation it became slow."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stretch:
+    """A rank's slowest stretch of a generation: the median of its per-bin ratios to its peers'
+    median over :data:`STRETCH_BINS` consecutive bins, and the steps those bins cover."""
+
+    ratio: float
+    first: int
+    last: int
+
+
+class StepTimes:
+    """One generation's ``step_time`` per rank: per bin of :attr:`width` steps from
+    :attr:`origin` (the first step reported), the sum and count of the rank's values, in one
+    flat array of doubles per rank (``[sum0, n0, sum1, n1, ...]``, :data:`MAX_STEP_BINS` bins):
+    memory ranks × bins, time constant per value (and ranks × bins when the bins widen, at most
+    a few dozen times). A step before the origin counts into the first bin."""
+
+    def __init__(self) -> None:
+        self.origin: int | None = None
+        """The first step any rank reported a step time at."""
+        self.width = 1
+        """Steps per bin."""
+        self.bins = 0
+        """Bins in use (the last one with a value, plus one)."""
+        self.rows: dict[int, array[float]] = {}
+        """Rank -> its bins' sums and counts."""
+        self.left_out = 0
+        """Values of ranks beyond :data:`MAX_TIMED_RANKS`, not kept."""
+
+    def add(self, rank: int, step: int, seconds: float) -> None:
+        """Rank ``rank`` computed ``seconds`` in ``step``."""
+        if self.origin is None:
+            self.origin = step
+        offset = max(0, step - self.origin)
+        if offset // self.width >= MAX_STEP_BINS:
+            factor = 1
+            while offset // (self.width * factor) >= MAX_STEP_BINS:
+                factor *= 2
+            self._widen(factor)
+        i = offset // self.width
+        row = self.rows.get(rank)
+        if row is None:
+            if len(self.rows) >= MAX_TIMED_RANKS:
+                self.left_out += 1
+                return
+            row = self.rows[rank] = array("d", bytes(16 * MAX_STEP_BINS))
+        row[2 * i] += seconds
+        row[2 * i + 1] += 1
+        self.bins = max(self.bins, i + 1)
+
+    def _widen(self, factor: int) -> None:
+        """Bins ``factor`` times as wide: new bin j sums old bins j×factor … (j+1)×factor - 1."""
+        for row in self.rows.values():
+            merged = array("d", bytes(16 * MAX_STEP_BINS))
+            for i in range(self.bins):
+                j = i // factor
+                merged[2 * j] += row[2 * i]
+                merged[2 * j + 1] += row[2 * i + 1]
+            row[:] = merged
+        self.width *= factor
+        self.bins = -(-self.bins // factor)
+
+    def step_of(self, i: int) -> float:
+        """The middle step of bin ``i``."""
+        return (self.origin or 0) + i * self.width + (self.width - 1) / 2
+
+    def series(self, rank: int) -> list[tuple[float, float]]:
+        """Rank ``rank``'s (middle step, mean step time) of each bin it has values in."""
+        row = self.rows.get(rank)
+        if row is None:
+            return []
+        return [
+            (self.step_of(i), row[2 * i] / row[2 * i + 1])
+            for i in range(self.bins)
+            if row[2 * i + 1]
+        ]
+
+    def medians(self) -> dict[int, float]:
+        """Per rank: the median of its bins' means, its step time over the generation (one slow
+        step - a checkpoint, a probe - left out, as the live views' median does)."""
+        return {rank: statistics.median(v for _, v in self.series(rank)) for rank in self.rows}
+
+    def stretches(self) -> dict[int, Stretch]:
+        """Per rank with a ratio: its slowest :class:`Stretch`. In each bin, each rank's mean
+        over the median of the other ranks' means there (:func:`~.metrics.peer_ratios`, the
+        ratio every view shows); then the highest median of :data:`STRETCH_BINS` consecutive
+        ones (of all of them, for a rank with fewer). Time: bins × ranks × log(ranks)."""
+        per_rank: dict[int, list[tuple[int, float]]] = {}
+        for i in range(self.bins):
+            means = {
+                r: row[2 * i] / row[2 * i + 1] for r, row in self.rows.items() if row[2 * i + 1]
+            }
+            for rank, ratio in peer_ratios(means).items():
+                per_rank.setdefault(rank, []).append((i, ratio))
+        out = {}
+        origin = self.origin or 0
+        for rank, pts in per_rank.items():
+            k = min(STRETCH_BINS, len(pts))
+            windows = (
+                (statistics.median(x for _, x in pts[j : j + k]), pts[j][0], pts[j + k - 1][0])
+                for j in range(len(pts) - k + 1)
+            )
+            ratio, i0, i1 = max(windows, key=lambda w: w[0])  # the first of equal ones
+            first, last = origin + i0 * self.width, origin + (i1 + 1) * self.width - 1
+            out[rank] = Stretch(ratio, first, last)
+        return out
+
+    def median_series(self) -> list[tuple[float, float]]:
+        """Per bin: (middle step, the median over ranks of their means in it)."""
+        out = []
+        for i in range(self.bins):
+            means = [row[2 * i] / row[2 * i + 1] for row in self.rows.values() if row[2 * i + 1]]
+            if means:
+                out.append((self.step_of(i), statistics.median(means)))
+        return out
+
+
 @dataclasses.dataclass
 class Generation:
     """What the ranks of one generation reported, per step (over ranks)."""
@@ -145,6 +281,8 @@ class Generation:
     """The steps any rank reported a heatmap signal of a layer at (the heatmap's samples)."""
     skipped: dict[int, str] = dataclasses.field(default_factory=dict)
     """Step -> how its batch was skipped (``steps`` or ``batch_ids``)."""
+    step_times: StepTimes = dataclasses.field(default_factory=StepTimes)
+    """Each rank's ``step_time`` over the generation's steps (bounded: :class:`StepTimes`)."""
     _kept: dict[str, _Kept] = dataclasses.field(default_factory=dict, repr=False)
     _sums: dict[int, list[float]] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -306,6 +444,9 @@ def _fold(msg: dict[str, Any], gens: dict[int, Generation], order: dict[str, int
     if _num(gn) and math.isfinite(gn):
         sums[2] += gn
         sums[3] += 1
+    seconds, rank = msg.get("step_time"), msg.get("rank")
+    if is_timing(seconds) and _int(rank):  # the bounds validation applies (NaN, huge: not)
+        g.step_times.add(rank, step, float(seconds))
     if kind != "report":
         return
     summary = msg.get("summary")

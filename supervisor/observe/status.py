@@ -18,6 +18,7 @@ from typing import Any
 from ..decide import recovery as rc
 from ..decide.events import TERMINAL_KINDS
 from ..intake.collector import Collector, rates
+from .metrics import step_ratios
 
 
 def run_view(state: rc.State) -> dict[str, Any]:
@@ -132,15 +133,19 @@ def live_status(
     state: rc.State, collector: Collector, *, waiting: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """What ``status.json`` holds: :func:`run_view`, the current generation's ranks (each with
-    its heartbeat age and steps/s) and the run's ``throughput`` (:func:`throughput`), all
-    measured at the collector's latest time; ``waiting``: what a launch waits for now (its
-    placement: ``for``, ``what``, ``waited_s``, ``timeout_s``), None when nothing."""
+    its heartbeat age and steps/s, and its step time: the latest ``step_time``, the median of
+    its recent ones, ``step_time_median``, and that median's ratio to the median of its peers',
+    ``step_ratio``, :func:`~.metrics.step_ratios`; None where the rank measured none) and the
+    run's ``throughput`` (:func:`throughput`), all measured at the collector's latest time;
+    ``waiting``: what a launch waits for now (its placement: ``for``, ``what``, ``waited_s``,
+    ``timeout_s``), None when nothing."""
     view = run_view(state)
     view["waiting"] = dict(waiting) if waiting else None
     view["dropped"] = dict(collector.dropped)
     view["rank_dropped"] = collector.rank_dropped
     now = collector.now
     ranks: dict[int, dict[str, Any]] = {}
+    ratios = step_ratios(collector)
     for r, v in collector.ranks.items():
         steps_s, tokens_s = rates(v, now) if now is not None else (None, None)
         ranks[r] = {
@@ -154,6 +159,9 @@ def live_status(
             "steps_per_s": steps_s,
             "tokens_per_s": tokens_s,
             "total_steps": v.total_steps,
+            "step_time": _finite(v.step_time),
+            "step_time_median": _finite(v.step_time_median()),
+            "step_ratio": ratios.get(r),
         }
     view["ranks"] = ranks
     view["throughput"] = throughput(ranks.values())
@@ -185,6 +193,17 @@ def throughput(ranks: Iterable[dict[str, Any]]) -> dict[str, Any]:
         if pace:
             out["eta_s"] = max(0.0, (last - slowest["step"]) / pace)
     return out
+
+
+def seconds_text(x: float) -> str:
+    """A step time as the views write it: ``52.3 ms`` below a second, ``2.5 s`` from one."""
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
+def ratio_text(x: float) -> str:
+    """A ratio to the peers' median as the views write it: ``x2.00`` (``x1.5e+04`` from a
+    thousand)."""
+    return f"x{x:.2f}" if abs(x) < 1000 else f"x{x:.3g}"
 
 
 def _number(x: Any) -> bool:

@@ -182,9 +182,11 @@ class Chart:
         dashed: bool = False,
         step: bool = False,
         label: str = "",
+        stroke_width: float = 1.3,
     ) -> None:
         """A polyline through ``points`` (x, y), broken where a value cannot be drawn; ``step``
-        draws it as a staircase (grades)."""
+        draws it as a staircase (grades); ``stroke_width`` in pixels (a line to stand out:
+        thicker)."""
         parts: list[str] = []
         pen_up = True
         prev_y: float | None = None
@@ -206,7 +208,7 @@ class Chart:
         tip = _tip(label)
         self._body.append(
             f'<path class="{esc(css_class)}" d="{"".join(parts)}" fill="none" '
-            f'stroke="{esc(color)}" stroke-width="1.3"{dash}>{tip}</path>'
+            f'stroke="{esc(color)}" stroke-width="{stroke_width:g}"{dash}>{tip}</path>'
         )
 
     def vline(

@@ -3,7 +3,9 @@
 :class:`ConsoleNotifier` prints one line per story event (:data:`~..events.STORY_KINDS`) with
 :func:`.describe.describe`, redacted like the journal (no token or webhook URL ever reaches a
 terminal or a log collector); :class:`LiveView` and ``spikeguard status`` print
-:func:`render_status` of the status dict (``status.json``, :func:`..status.live_status`).
+:func:`render_status` of the status dict (``status.json``, :func:`..status.live_status`): per
+rank its grade, entropy, loss, heartbeat and step time (its recent median and its ratio to its
+peers', a straggler's marked), so a slow rank is visible before any rule fires.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from spikeguard.workers.contract.signals import grade_text
 
 from ..decide.events import STORY_KINDS
 from ..observe.describe import describe, duration_text
-from ..observe.status import live_status
+from ..observe.metrics import is_slow
+from ..observe.status import live_status, ratio_text, seconds_text
 from ..redaction import held_secrets
 from .registry import BaseSink, SinkContext, register, routes_to
 
@@ -87,7 +90,8 @@ def console_sink(ctx: SinkContext) -> ConsoleNotifier:
 
 
 class LiveView:
-    """Prints the per-rank grade, entropy, loss and the recovery state every few seconds."""
+    """Prints the per-rank grade, entropy, loss, step time and the recovery state every few
+    seconds (a slow rank's ratio in bold red on a terminal)."""
 
     def __init__(self, *, every_s: float = 5.0, out: TextIO | None = None) -> None:
         self.every_s = every_s
@@ -102,18 +106,30 @@ class LiveView:
         self._last = now
         status = getattr(ctl, "status", None)
         view = status() if callable(status) else live_status(ctl.state, ctl.collector)
-        say(render_status(view), self.out)
+        say(render_status(view, color=is_terminal(self.out)), self.out)
+
+
+def is_terminal(out: TextIO) -> bool:
+    """Whether ``out`` is a terminal (where a highlight may be an ANSI color), not a log or a
+    pipe."""
+    try:
+        return bool(out.isatty())
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 WORST_K = 5
 """How many ranks the live view lists when there are more (the worst ones)."""
 
 
-def render_status(s: dict[str, Any], *, worst: int = WORST_K) -> str:
+def render_status(s: dict[str, Any], *, worst: int = WORST_K, color: bool = False) -> str:
     """The live view / ``spikeguard status`` text for a status dict: the run's state, its
-    progress (the slowest rank's step, steps/s, tokens/s, ETA), then every rank when there are
-    at most ``worst`` of them, else the ``worst`` worst (:func:`badness`) — a few lines whatever
-    the world size."""
+    progress (the slowest rank's step, steps/s, tokens/s, ETA), the silent and the slow ranks,
+    then every rank when there are at most ``worst`` of them, else the ``worst`` worst
+    (:func:`badness`) — a few lines whatever the world size. When any rank measures its step
+    time, each rank's line has a ``step time`` column (its recent median and its ratio to its
+    peers', marked ``SLOW`` from :data:`~..observe.metrics.STRAGGLER_RATIO`, in bold red with
+    ``color``; ``—`` for a rank that measures none)."""
     head = f"{s['phase']:<12} gen {s['generation']}  LR x{s['lr_scale']:.3g}"
     if s.get("probation_until"):
         head += f"  probation until step {s['probation_until']}"
@@ -127,13 +143,68 @@ def render_status(s: dict[str, Any], *, worst: int = WORST_K) -> str:
     silent = _silent(ranks)
     if silent:
         lines.append("  " + silent)
+    slow = _slow(ranks, color)
+    if slow:
+        lines.append("  " + slow)
     shown = ranks
     if len(ranks) > worst:
         shown = sorted(ranks, key=lambda kv: badness(int(kv[0]), kv[1]))[:worst]
         lines.append(f"  worst {worst} of {len(ranks)} ranks (grade, H_min/max, heartbeat):")
+    timed = any(_finite_number(v.get("step_time_median")) for _, v in ranks)
     for r, v in shown:
-        lines.append("    " + _rank_line(int(r), v))
+        line = _rank_line(int(r), v)
+        if timed and (v.get("step") is not None or v.get("exit_code") is not None):
+            line += "  " + step_time_text(v, color)
+        lines.append("    " + line)
     return "\n".join(lines)
+
+
+def step_time_text(v: dict[str, Any], color: bool = False) -> str:
+    """A rank's step-time column: ``step time 52.3 ms x1.00``, its recent median and its ratio
+    to its peers' (``x2.00 SLOW`` from :data:`~..observe.metrics.STRAGGLER_RATIO`, in bold red
+    with ``color``); ``step time —`` when it measures none (or status.json holds no number)."""
+    median, ratio = v.get("step_time_median"), v.get("step_ratio")
+    if not _finite_number(median) or median < 0:
+        return "step time —"
+    text = f"step time {seconds_text(median)}"
+    if _finite_number(ratio):
+        text += " " + marked_ratio(ratio, color)
+    return text
+
+
+def marked_ratio(ratio: float, color: bool = False, *, mark: bool = True) -> str:
+    """``x1.00``; at or above :data:`~..observe.metrics.STRAGGLER_RATIO` highlighted: ``x2.00
+    SLOW`` (without ``mark``, ``x2.00``), in bold red with ``color``."""
+    text = ratio_text(ratio)
+    if not is_slow(ratio):
+        return text
+    if mark:
+        text += " SLOW"
+    return f"\033[1;31m{text}\033[0m" if color else text
+
+
+SLOW_SHOWN = 3
+"""How many slow ranks the ``slow`` line names (the slowest; the others are counted)."""
+
+
+def _slow(ranks: list[tuple[Any, dict[str, Any]]], color: bool) -> str:
+    """``slow (step time / peers' median): r17 x2.00 (105 ms)`` for the ranks whose step time
+    is at least :data:`~..observe.metrics.STRAGGLER_RATIO` times their peers' (the
+    :data:`SLOW_SHOWN` slowest), whatever their grades, so a straggler shows among thousands of
+    ranks before any rule fires; ``""`` for none."""
+    slow = sorted(
+        ((-v["step_ratio"], int(r), v) for r, v in ranks if is_slow(v.get("step_ratio"))),
+        key=lambda t: t[:2],
+    )
+    if not slow:
+        return ""
+    named = []
+    for _, r, v in slow[:SLOW_SHOWN]:
+        median = v.get("step_time_median")
+        took = f" ({seconds_text(median)})" if _finite_number(median) and median >= 0 else ""
+        named.append(f"r{r} {marked_ratio(v['step_ratio'], color, mark=False)}{took}")
+    more = f" and {len(slow) - SLOW_SHOWN} more" if len(slow) > SLOW_SHOWN else ""
+    return f"slow (step time / peers' median): {', '.join(named)}{more}"
 
 
 def waiting_text(w: Any) -> str:
