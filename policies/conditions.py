@@ -14,7 +14,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
-from spikeguard.workers.contract.signals import LAYER_SIGNALS, STEP_SIGNALS
+from spikeguard.workers.contract.signals import AGENT_SIGNALS, LAYER_SIGNALS, STEP_SIGNALS
 
 from . import expr
 from .base import _Model
@@ -51,6 +51,8 @@ class _Leaf(_Model):
         """The message types this condition is evaluated on."""
         if self.signals() & set(LAYER_SIGNALS):
             return frozenset({"report"})
+        if self.signals() & set(AGENT_SIGNALS):
+            return frozenset({"health"})  # the rank agent's NVML readings
         return frozenset({"heartbeat", "report"})
 
 
@@ -208,10 +210,11 @@ class PeerRelative(_Leaf):
     @model_validator(mode="before")
     @classmethod
     def _per_rank(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("signal") in LAYER_SIGNALS:
+        sig = data.get("signal") if isinstance(data, dict) else None
+        if sig in LAYER_SIGNALS or sig in AGENT_SIGNALS:
             fail(
                 f"a peer comparison reads a per-rank signal ({', '.join(STEP_SIGNALS)}); "
-                f"{data['signal']!r} is per layer",
+                f"{sig!r} is {'per layer' if sig in LAYER_SIGNALS else 'a reading of the agent'}",
                 "signal",
             )
         return data
@@ -315,7 +318,8 @@ class AllOf(_Group):
         if not out:
             fail(
                 "these conditions never arrive together (crash comes with exit messages, hang with "
-                "hang messages, per-layer signals with reports): combine them with any: instead"
+                "hang messages, per-layer signals with reports, the gpu_* signals with the "
+                "agent's health readings): combine them with any: instead"
             )
         return out
 

@@ -284,6 +284,7 @@ class Controller:
         for suspect in health.health_suspects(polls, self.state.generation):
             self._apply(suspect)  # before the exits: a relaunch they cause avoids the node
         self.reader.read(polls, now)
+        self.reader.feed(self.collector.health_messages(polls, now))  # gpu_* signals, for rules
         self.reader.feed(self.collector.check_hangs(now))
         self.reader.reports.flush()
         active = self.state.phase in rc.ACTIVE

@@ -161,7 +161,10 @@ def test_the_views_are_the_declarations_in_order():
     assert names == contract.SIGNALS
     assert tuple(s.name for s in contract.specs(per_layer=True)) == contract.LAYER_SIGNALS
     assert tuple(s.name for s in contract.specs(per_layer=False)) == contract.STEP_SIGNALS
-    assert contract.LAYER_SIGNALS + contract.STEP_SIGNALS == contract.SIGNALS
+    assert contract.LAYER_SIGNALS + contract.STEP_SIGNALS + contract.AGENT_SIGNALS == (
+        contract.SIGNALS
+    )
+    assert {contract.spec_of(n).probe for n in contract.AGENT_SIGNALS} == {"agent"}
     assert dict(contract.AGGREGATE) == {s.name: s.aggregate for s in contract.specs(per_layer=True)}
     assert "loss" not in contract.AGGREGATE and 3 not in contract.SIGNALS
     with pytest.raises(KeyError, match="undeclared signal 'nope'"):
@@ -187,7 +190,7 @@ def test_every_probe_kind_writes_exactly_its_declared_signals():
     from spikeguard.workers import probes as P
     from test_probes import TinyGPT
 
-    kinds = set(typing.get_args(contract.ProbeKind)) - {"step"}
+    kinds = set(typing.get_args(contract.ProbeKind)) - {"step", "agent"}
     assert kinds == set(P.PROBE_KINDS)
     assert {s.probe for s in contract.specs(per_layer=True)} == kinds
 

@@ -6,7 +6,9 @@ machine excludes a suspect node from every later placement of the run (``node_ex
 * **lost**: the rank's agent is gone (its node died, was removed, froze): an ``exit`` message
   with ``lost`` (:func:`suspects_of`);
 * **straggler**: a recover decision of a rule on a straggler signal (:data:`STRAGGLER_SIGNALS`)
-  that names a rank: only when the rule recovers, never for a notify (:func:`suspects_of`);
+  that names a rank: only when the rule recovers, never for a notify (:func:`suspects_of`); a
+  recover decision on an accelerator signal (``gpu_*``) makes the node **unhealthy** the same
+  way;
 * **unhealthy**: the rank's accelerators failed a health check (:func:`health_failure`: a GPU
   fallen off the bus, an uncorrectable ECC error), read by its agent from NVML and carried by
   its poll (:func:`health_suspects`). Throttling and XID errors are signals, not failures.
@@ -20,15 +22,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from spikeguard.workers.contract.signals import AGENT_SIGNALS
+
 from . import recovery as rc
 
 STRAGGLER_SIGNALS = frozenset({"step_time"})
 """Signals whose recover decision blames the rank it names, and so that rank's node (a rule on
 a rank's step time is a straggler rule)."""
 
-GPU_SIGNALS = ("gpu_ecc_errors", "gpu_xid", "gpu_throttle", "gpu_lost")
+GPU_SIGNALS = tuple(AGENT_SIGNALS)
 """The accelerator signals a rank agent reports from NVML (see
-:func:`spikeguard.supervisor.launch.nvml.signals_of`); none on a machine without NVML."""
+:func:`spikeguard.supervisor.launch.nvml.signals_of`) that policies read (declared in
+``workers/contract/signals.py``); none on a machine without NVML."""
 MACHINE_SIGNALS = STRAGGLER_SIGNALS | frozenset(GPU_SIGNALS)
 """Signals of the machine a rank runs on, not of the model it trains: a recovery a rule on one of
 them decides is a fault of the process's kind (a crash, a hang), not a numerical one. It restarts
@@ -48,9 +53,10 @@ def suspects_of(
     for d in decisions:
         if d.action != "recover" or d.resolved or d.rank is None:
             continue
-        if d.signal in STRAGGLER_SIGNALS:
+        if d.signal in MACHINE_SIGNALS:
             why = f"policy rule {d.rule}: {d.reason}"
-            out.append(rc.NodeSuspect(int(d.rank), generation, "straggler", why))
+            kind = "straggler" if d.signal in STRAGGLER_SIGNALS else "unhealthy"
+            out.append(rc.NodeSuspect(int(d.rank), generation, kind, why))
     return out
 
 

@@ -17,9 +17,11 @@ import dataclasses
 import json
 import math
 import statistics
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from spikeguard.workers.contract.messages import FORMAT_VERSION, MAX_LAYERS_PER_RANK, LayerGate
+from spikeguard.workers.contract.signals import AGENT_SIGNALS
 
 from ..launch.interface import RankPoll
 from . import validate
@@ -357,6 +359,37 @@ class Collector:
                         "first": v.step is None,
                         "timeout_s": limit,
                         "at": round(now, 3),
+                    }
+                )
+        return out
+
+    def health_messages(self, polls: Iterable[Any], now: float) -> list[dict[str, Any]]:
+        """``health`` messages for the policy engine: the accelerator readings a poll of the
+        current generation carries (its agent's NVML signals, :data:`AGENT_SIGNALS`, as numbers:
+        a flag is 0 or 1), at the rank's latest step; none for a poll without readings (no
+        NVML), of a standby or of another generation."""
+        if self.generation is None:
+            return []
+        out = []
+        for p in polls:
+            signals, v = getattr(p, "health", None), self.ranks.get(p.rank)
+            if not isinstance(signals, dict) or v is None or p.generation != self.generation:
+                continue
+            values = {
+                k: float(signals[k])
+                for k in AGENT_SIGNALS
+                if isinstance(signals.get(k), (int, float)) and math.isfinite(signals[k])
+            }
+            if values:
+                out.append(
+                    {
+                        "v": FORMAT_VERSION,
+                        "type": "health",
+                        "gen": self.generation,
+                        "rank": p.rank,
+                        "step": self.start_step if v.step is None else v.step,
+                        "at": round(now, 3),
+                        **values,
                     }
                 )
         return out

@@ -29,6 +29,7 @@ from .messages import FORMAT_VERSION, MESSAGE_TYPES, REQUEST_TYPES, SUPERVISOR_M
 from .plan import ResumePlan
 from .secret_scan import find_secret, redact, secret_key, secret_value
 from .signals import (
+    AGENT_SIGNALS,
     AGGREGATE,
     GRADE_THRESHOLDS,
     LAYER_SIGNALS,
@@ -47,6 +48,7 @@ from .signals import (
 )
 
 __all__ = [
+    "AGENT_SIGNALS",
     "AGGREGATE",
     "ENV_BACKEND",
     "ENV_CKPT_DIR",

@@ -83,8 +83,9 @@ MESSAGE_TYPES = (
 REQUEST_TYPES = ("checkpoint", "batch_ids")
 """What the supervisor asks a rank for."""
 
-SUPERVISOR_MESSAGE_TYPES = ("exit", "hang")
-"""What the supervisor synthesises for the policy engine."""
+SUPERVISOR_MESSAGE_TYPES = ("exit", "hang", "health")
+"""What the supervisor synthesises for the policy engine (``health``: a rank agent's NVML
+readings, the ``gpu_*`` signals)."""
 
 REQUEST_TYPES = ("checkpoint", "release")
 """What the supervisor sends a rank (one JSON line each, on the report socket): ``checkpoint``

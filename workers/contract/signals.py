@@ -28,9 +28,11 @@ Aggregate = Literal["min", "max", "mean", "last"]
 """How a rank's summary folds a per-layer signal over its layers."""
 Worst = Literal["low", "high"]
 """The end of a signal's scale where trouble lies."""
-ProbeKind = Literal["residual", "attention", "lm_head", "step"]
+ProbeKind = Literal["residual", "attention", "lm_head", "step", "agent"]
 """What computes a signal: one of the probe kinds of ``spikeguard.workers.probes`` (per-layer
-signals of a sampled ``report``), or ``step``: the training loop, on every ``heartbeat``."""
+signals of a sampled ``report``), ``step``: the training loop, on every ``heartbeat``, or
+``agent``: the rank's agent, beside the rank (its accelerators' health from NVML, every few
+seconds), carried to the policy engine in a ``health`` message the supervisor makes."""
 
 AGGREGATIONS: tuple[str, ...] = typing.get_args(Aggregate)
 """Every way of aggregating over layers that :func:`aggregate` knows."""
@@ -88,7 +90,7 @@ class SignalSpec:
     @property
     def per_layer(self) -> bool:
         """Computed per layer by a probe on sampled steps (not a field of every heartbeat)."""
-        return self.probe != "step"
+        return self.probe not in ("step", "agent")
 
     @property
     def worse_high(self) -> bool:
@@ -173,13 +175,16 @@ def _ordered() -> list[SignalSpec]:
 
 LAYER_SIGNALS = _Names(lambda s: s.per_layer)
 """Per-layer signals of a sampled ``report`` (``layers`` per layer, ``summary`` aggregated)."""
-STEP_SIGNALS = _Names(lambda s: not s.per_layer)
+STEP_SIGNALS = _Names(lambda s: s.probe == "step")
 """Per-rank signals of every ``heartbeat`` (and of every ``report``)."""
+AGENT_SIGNALS = _Names(lambda s: s.probe == "agent")
+"""Per-rank signals the rank's agent reads (NVML), in the supervisor's ``health`` messages;
+none on a machine without NVML."""
 SIGNALS = _Names(lambda s: True)
-"""Every declared signal: the per-layer ones, then the per-step ones."""
+"""Every declared signal: the per-layer ones, then the per-step and the agent's ones."""
 AGGREGATE: Mapping[str, str] = _Aggregates()
 """How a rank's ``summary`` aggregates a layer signal over its layers (see :func:`aggregate`)."""
-_VIEWS = (LAYER_SIGNALS, STEP_SIGNALS, SIGNALS)
+_VIEWS = (LAYER_SIGNALS, STEP_SIGNALS, AGENT_SIGNALS, SIGNALS)
 
 
 def declare(spec: SignalSpec) -> SignalSpec:
@@ -227,8 +232,10 @@ def spec_of(name: str) -> SignalSpec:
 
 
 def specs(*, per_layer: bool | None = None) -> tuple[SignalSpec, ...]:
-    """Every declaration in :data:`SIGNALS` order, or only the per-layer (``True``) or per-step
-    (``False``) ones."""
+    """Every declaration in :data:`SIGNALS` order, or only the per-layer (``True``) or the
+    training loop's per-step (``False``: :data:`STEP_SIGNALS`) ones."""
+    if per_layer is False:
+        return tuple(s for s in _ordered() if s.probe == "step")
     return tuple(s for s in _ordered() if per_layer is None or s.per_layer == per_layer)
 
 
@@ -379,6 +386,54 @@ declare(
         ),
         aggregate="max",
         unit="s",
+    )
+)
+
+# read by the rank's agent from NVML for its rank's GPUs (supervisor/launch/nvml.py), every few
+# seconds, when there is NVML; a machine without one reports none of them
+declare(
+    SignalSpec(
+        name="gpu_xid",
+        probe="agent",
+        display="the latest critical XID error code of the rank's GPUs",
+        metric=MetricFamily(name="gpu_xid", help="latest critical XID error code (0: none)"),
+        aggregate="max",
+    )
+)
+declare(
+    SignalSpec(
+        name="gpu_ecc_errors",
+        probe="agent",
+        display="the uncorrectable ECC errors of the rank's GPUs",
+        metric=MetricFamily(name="gpu_ecc_errors", help="uncorrectable ECC errors, summed"),
+        aggregate="max",
+    )
+)
+declare(
+    SignalSpec(
+        name="gpu_throttle_thermal",
+        probe="agent",
+        display="thermal throttling of the rank's GPUs (1: throttling)",
+        metric=MetricFamily(name="gpu_throttle_thermal", help="1 while a GPU throttles for heat"),
+        aggregate="max",
+    )
+)
+declare(
+    SignalSpec(
+        name="gpu_throttle_power",
+        probe="agent",
+        display="power throttling of the rank's GPUs (1: throttling)",
+        metric=MetricFamily(name="gpu_throttle_power", help="1 while a GPU throttles for power"),
+        aggregate="max",
+    )
+)
+declare(
+    SignalSpec(
+        name="gpu_lost",
+        probe="agent",
+        display="a GPU of the rank fallen off the bus (1: lost)",
+        metric=MetricFamily(name="gpu_lost", help="1 when a GPU of the rank is lost"),
+        aggregate="max",
     )
 )
 
