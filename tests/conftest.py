@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,30 @@ def ray_local(_ray_session):
     if not ray.is_initialized():
         ray.init(**RAY_INIT)
     return ray
+
+
+@contextlib.contextmanager
+def ray_cluster(nodes: int, num_cpus: int) -> Iterator[Any]:
+    """A real multi-node Ray on this machine (``ray.cluster_utils.Cluster``): a head without
+    CPUs (nothing is placed on it) and ``nodes`` worker nodes of ``num_cpus`` logical CPUs each,
+    this process connected to it; the session's local Ray is shut down first
+    (:func:`ray_local` restarts it on demand)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    mb80 = 80 * 1024 * 1024
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": mb80})
+    for _ in range(nodes):
+        c.add_node(num_cpus=num_cpus, object_store_memory=mb80)
+    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    c.wait_for_nodes()
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
 
 
 class Faults:

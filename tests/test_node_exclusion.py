@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SpyEngine, scripted_controller
+from conftest import SpyEngine, ray_cluster, scripted_controller
 from spikeguard.supervisor.decide import health
 from spikeguard.supervisor.decide import recovery as rc
 from spikeguard.supervisor.launch.interface import KillReport, LaunchedRank, Placement, RankPoll
@@ -279,24 +279,10 @@ def test_with_no_other_node_the_controller_relaunches_anyway_and_says_so(tmp_pat
 
 
 # ---- a real multi-node Ray ---------------------------------------------------------------------
-MB80 = 80 * 1024 * 1024
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()  # the session's single-node Ray; conftest.ray_local restarts it on demand
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": MB80})
-    for _ in range(3):
-        c.add_node(num_cpus=1, object_store_memory=MB80)
-    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
-    c.wait_for_nodes()
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with ray_cluster(nodes=3, num_cpus=1) as c:
+        yield c
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_journal_replays, events, launch_of, toy_job
+from conftest import assert_journal_replays, events, launch_of, ray_cluster, toy_job
 
 pytestmark = pytest.mark.slow
 
@@ -109,24 +109,10 @@ def test_without_a_slow_rank_the_default_policy_raises_nothing(ray_local, tmp_pa
 
 
 # ---- four ranks on two nodes, a policy that recovers ------------------------------------------
-MB80 = 80 * 1024 * 1024
-
-
 @pytest.fixture(scope="module")
 def two_nodes():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()  # the session's single-node Ray; conftest.ray_local restarts it on demand
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": MB80})
-    for _ in range(2):
-        c.add_node(num_cpus=4, object_store_memory=MB80)
-    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
-    c.wait_for_nodes()
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with ray_cluster(nodes=2, num_cpus=4) as c:
+        yield c
 
 
 def test_a_recovering_straggler_rule_relaunches_the_ranks_off_the_slow_node(
