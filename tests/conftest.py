@@ -54,6 +54,7 @@ TRAINING_MODULES = frozenset(
         "test_demo.py",
         "test_example.py",
         "test_example_fsdp.py",
+        "test_hf_eval_pause.py",
         "test_hf_loss_truth.py",
         "test_hf_remote.py",
         "test_hf_trainer.py",

@@ -202,6 +202,10 @@ class SpikeguardCallback(TrainerCallback):
         """What ``training_step`` returned in this step so far, added up (None: nothing yet)."""
         self._lr: float | None = None
         self._pending: dict[str, Any] | None = None
+        self._evaluate_next = False
+        """The Trainer evaluates after the step being finished: pause once it is reported."""
+        self._paused = False
+        """Sampling and the forward timing are paused for the Trainer's evaluation."""
         self._stage_root = stage_dir
         self.keep_staged = keep_staged
         """How many of the newest published checkpoints stay staged (see the class docstring)."""
@@ -363,11 +367,13 @@ class SpikeguardCallback(TrainerCallback):
         inner = _inner(optimizer)
         if plan is None:
             api.start_at(start)
-            return
-        reset = bool(plan.reset_optimizer and self._resume_dir and inner is not None)
-        if reset and inner is not None:
-            inner.state.clear()  # after the Trainer loaded optimizer.pt: the plan's reset wins
-        api.resumed(start, optimizer=inner, checkpoint=self._resume_dir, optimizer_reset=reset)
+        else:
+            reset = bool(plan.reset_optimizer and self._resume_dir and inner is not None)
+            if reset and inner is not None:
+                inner.state.clear()  # after the Trainer loaded optimizer.pt: the plan's reset wins
+            api.resumed(start, optimizer=inner, checkpoint=self._resume_dir, optimizer_reset=reset)
+        if getattr(args, "eval_on_start", False):
+            self._pause()  # the Trainer evaluates before its first step (after start_at arms)
 
     def on_optimizer_step(
         self,
@@ -393,6 +399,8 @@ class SpikeguardCallback(TrainerCallback):
             "lr": self._lr,
             "total_steps": state.max_steps or None,
         }
+        # the Trainer evaluates right after this step's log: pause once the step is reported
+        self._evaluate_next = bool(control.should_evaluate)
         if not control.should_log:
             self._flush()
         if sg.should_checkpoint(state.global_step, collective=True):
@@ -428,6 +436,27 @@ class SpikeguardCallback(TrainerCallback):
             lr=pending["lr"],
             total_steps=pending["total_steps"],
         )
+        if self._evaluate_next:  # after the step's report: it arms the probes for the next one
+            self._pause()
+
+    # -- no samples, no step time, from the Trainer's evaluation -------------------------------
+    def _pause(self) -> None:
+        """The evaluation's forwards are no training step: not a sample, not compute time."""
+        self._evaluate_next = False
+        if not self._paused:
+            self._paused = True
+            self._sg().pause_sampling()
+
+    def _resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._sg().resume_sampling()
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """The evaluation ended: sample and time again from the next training step."""
+        self._resume()
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -467,6 +496,8 @@ class SpikeguardCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._flush()
+        self._evaluate_next = False
+        self._resume()  # a training step: whatever evaluation ran before it is over
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
