@@ -57,5 +57,11 @@ typecheck: setup
 test: setup lint typecheck
 	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
+# the documentation site into site/; --strict: a broken link, a missing page or anchor fails it
+# (NO_MKDOCS_2_WARNING: mkdocs-material's banner about MkDocs 2, printed on every build)
+.PHONY: docs
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
 	rm -rf $(VENV) runs build
