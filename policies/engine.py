@@ -138,7 +138,9 @@ class _Compiled:
     def __init__(self, index: int, rule: Rule, policy: Policy) -> None:
         self.index, self.rule = index, rule
         self.cadence = rule.when.cadence()
-        self.events = self.cadence <= {"exit", "hang"}
+        # evaluated on every message, not once a step: an exit, a hang, and the agent's health
+        # readings (several a step, or none for many steps: an XID read once must be seen)
+        self.events = self.cadence <= {"exit", "hang", "health"}
         self.when = rule.when
         self.scope = rule.ranks
         self.recovery = policy.recovery_for(rule)

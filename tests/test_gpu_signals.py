@@ -2,9 +2,10 @@
 ``gpu_ecc_errors``, ``gpu_throttle_thermal``, ``gpu_throttle_power``, ``gpu_lost``) reach the
 policy engine in ``health`` messages the supervisor makes from each poll, are recorded in
 ``reports.jsonl`` (so a replay decides the same), and a rule on them warns (the built-ins'
-``gpu-health``) or recovers off the node. Without NVML (every CPU machine) no poll carries a
-reading, no ``health`` message is made and nothing fires. The GPUs are a fake (none here): the
-readings a real :class:`~spikeguard.supervisor.launch.nvml.NvmlReader` would make, in a poll."""
+``gpu-xid``, ``gpu-thermal``) or recovers off the node. Without NVML (every CPU machine) no poll
+carries a reading, no ``health`` message is made and nothing fires. The GPUs are a fake (none
+here): the readings a real :class:`~spikeguard.supervisor.launch.nvml.NvmlReader` would make,
+in a poll."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from conftest import SpyEngine, scripted_controller
 from spikeguard.policies import BUILTINS, PolicyError, load_policy, load_policy_text, replay
 from spikeguard.policies.testing import heartbeat, hello
-from spikeguard.supervisor.intake.collector import Collector
+from spikeguard.supervisor.intake.collector import HEALTH_REPEAT_S, Collector
 from spikeguard.supervisor.launch.interface import KillReport, LaunchedRank, Placement, RankPoll
 from spikeguard.supervisor.launch.nvml import GpuReading, signals_of
 from spikeguard.workers.contract import AGENT_SIGNALS
@@ -42,21 +43,34 @@ def test_the_agents_readings_are_the_policy_signals() -> None:
 def test_the_builtins_warn_on_a_critical_xid_and_on_thermal_throttling(name: str) -> None:
     pol = load_policy(name)
     msgs: list[dict[str, Any]] = [hello(r, world_size=2) for r in range(2)]
-    for s in range(1, 1000):  # ``at``: a second a step
+    for s in range(1, 400):
         msgs += [heartbeat(r, s) for r in range(2)]
         if s % 50 == 0:  # the agent's readings, every few seconds
             msgs += [
                 {**health(0, s), "gpu_xid": 79.0 if s == 200 else 0.0, "gpu_throttle_thermal": 0.0},
-                {**health(1, s), "gpu_xid": 0.0, "gpu_throttle_thermal": float(s >= 900)},
+                {**health(1, s), "gpu_xid": 0.0, "gpu_throttle_thermal": float(s >= 300)},
             ]
     fired = [(d.rule, d.rank, d.step) for d in replay(pol, msgs) if not d.resolved]
-    # each once (the rule's 10-minute cooldown is the whole rule's: 700 s apart here)
-    assert fired == [("gpu-health", 0, 200), ("gpu-health", 1, 900)], fired
-    d = next(d for d in replay(pol, msgs) if d.rule == "gpu-health")
+    # two rules: a rank throttling never mutes another rank's XID (a cooldown is a rule's)
+    assert fired == [("gpu-xid", 0, 200), ("gpu-thermal", 1, 300)], fired
+    d = next(d for d in replay(pol, msgs) if d.rule == "gpu-xid")
     assert d.action == "notify" and d.severity == "warn" and "gpu_xid 79" in d.reason, d.reason
     # without NVML: no health message, nothing of the kind
     quiet = [m for m in msgs if m["type"] != "health"]
-    assert [d for d in replay(pol, quiet) if d.rule == "gpu-health"] == []
+    assert [d for d in replay(pol, quiet) if d.rule.startswith("gpu-")] == []
+
+
+@pytest.mark.parametrize("at", [0, 1, 2, 3])
+def test_an_xid_read_once_is_seen_whichever_message_of_the_step_carries_it(at: int) -> None:
+    """A poll every 0.25 s makes several health messages a step (the same step), or many while a
+    rank is stuck at one step: the one that carries the XID is evaluated, wherever it comes."""
+    msgs: list[dict[str, Any]] = [hello(0, world_size=1)]
+    for s in range(1, 30):
+        msgs.append(heartbeat(0, s))
+        for k in range(4):
+            msgs.append({**health(0, s), "gpu_xid": 79.0 if (s, k) == (20, at) else 0.0})
+    fired = [(d.rule, d.step) for d in replay(load_policy("default"), msgs) if not d.resolved]
+    assert fired == [("gpu-xid", 20)], fired
 
 
 def test_a_gpu_signal_cannot_be_combined_with_a_step_signal_or_compared_with_peers() -> None:
@@ -90,6 +104,13 @@ def test_the_collector_makes_health_messages_of_its_generations_readings_only() 
     assert (msg["gpu_xid"], msg["gpu_lost"]) == (79.0, 1.0)
     assert "gpu_ecc_errors" not in msg and "gpu_throttle" not in msg  # unread; not a signal
     assert c.health_messages([RankPoll(rank=0, generation=3)], now=6.0) == []
+    # the same reading again (polls come every 0.25 s, NVML is read every 5 s): no new line,
+    # until it changes or HEALTH_REPEAT_S passed
+    again = [RankPoll(rank=0, generation=3, health=reading)]
+    assert c.health_messages(again, now=5.25) == []
+    assert c.health_messages(again, now=5.0 + HEALTH_REPEAT_S)[0]["gpu_xid"] == 79.0
+    changed = [RankPoll(rank=0, generation=3, health={**reading, "gpu_xid": 0})]
+    assert c.health_messages(changed, now=40.0)[0]["gpu_xid"] == 0.0
 
 
 # ---- the controller: recorded, replayed, and a recover rule leaves the node out -------------

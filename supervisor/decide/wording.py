@@ -111,7 +111,7 @@ def _ranks_killed(f: Values, c: Values) -> str:
 def _restart_from_start(f: Values, c: Values) -> str:
     return (
         f"no checkpoint on this run's lineage at or before step {c['step']}"
-        " verifies: a crash, a hang or a slow node starts over from step 0"
+        " verifies: a crash, a hang or a slow or failing node starts over from step 0"
     )
 
 
@@ -176,7 +176,7 @@ def _value(v: Any) -> str:
 
 
 def _kind_of(fault: Any) -> str:
-    return "a crash, a hang or a slow node" if fault else "a numerical fault"
+    return "a crash, a hang or a slow or failing node" if fault else "a numerical fault"
 
 
 def _other_kind_in_probation(f: Values, c: Values) -> str:

@@ -72,6 +72,11 @@ def _verbatim(line: bytes | str) -> bytes | None:
     return line
 
 
+HEALTH_REPEAT_S = 30.0
+"""A rank's unchanged accelerator readings are handed to the policy engine again after this long
+(a rule with a ``for:`` in seconds sees time pass)."""
+
+
 @dataclasses.dataclass
 class RankView:
     """What the supervisor knows of one rank in the current generation."""
@@ -97,6 +102,8 @@ class RankView:
     exit_code: int | None = None
     done: bool = False
     hang_reported_at: float | None = None
+    health_sent: tuple[dict[str, float], float] | None = None
+    """The accelerator readings of the latest ``health`` message made for this rank, and when."""
     """When the last ``hang`` message for this silence was made (None: the rank is not silent)."""
     step_time: float | None = None
     """The rank's latest measured ``step_time`` (seconds it computed in a step; None: none
@@ -366,8 +373,10 @@ class Collector:
     def health_messages(self, polls: Iterable[Any], now: float) -> list[dict[str, Any]]:
         """``health`` messages for the policy engine: the accelerator readings a poll of the
         current generation carries (its agent's NVML signals, :data:`AGENT_SIGNALS`, as numbers:
-        a flag is 0 or 1), at the rank's latest step; none for a poll without readings (no
-        NVML), of a standby or of another generation."""
+        a flag is 0 or 1), at the rank's latest step, when they changed since the rank's last
+        one or :data:`HEALTH_REPEAT_S` passed (a poll every 0.25 s repeats the agent's reading
+        of every few seconds: one line, not twenty); none for a poll without readings (no NVML),
+        of a standby or of another generation."""
         if self.generation is None:
             return []
         out = []
@@ -380,7 +389,10 @@ class Collector:
                 for k in AGENT_SIGNALS
                 if isinstance(signals.get(k), (int, float)) and math.isfinite(signals[k])
             }
-            if values:
+            sent = v.health_sent
+            fresh = sent is None or sent[0] != values or now - sent[1] >= HEALTH_REPEAT_S
+            if values and fresh:
+                v.health_sent = (values, now)
                 out.append(
                     {
                         "v": FORMAT_VERSION,

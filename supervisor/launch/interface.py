@@ -120,7 +120,8 @@ class RankPoll:
     """The end of the standby's log, once it ended."""
     health: dict[str, Any] | None = None
     """The rank's accelerator signals, read from NVML every few seconds by its agent
-    (:func:`.nvml.signals_of`: ``gpu_ecc_errors``, ``gpu_xid``, ``gpu_throttle``, ``gpu_lost``);
+    (:func:`.nvml.signals_of`: ``gpu_ecc_errors``, ``gpu_xid``, ``gpu_throttle`` and its flags,
+    ``gpu_lost``);
     None without GPUs or NVML."""
 
 

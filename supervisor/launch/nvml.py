@@ -1,11 +1,12 @@
 """Accelerator health from NVML, read by the rank agent for its rank's GPUs.
 
 Two halves. :func:`signals_of` is pure: the readings of a rank's GPUs (:class:`GpuReading`)
-become its signals (``gpu_ecc_errors``, ``gpu_xid``, ``gpu_throttle``, ``gpu_lost``: see
-:data:`spikeguard.supervisor.decide.health.GPU_SIGNALS`). :class:`NvmlReader` takes the readings
-with ``pynvml`` (the ``nvidia-ml-py`` package, the optional extra ``spikeguard[gpu]``), and
-:class:`HealthMonitor` reads every :data:`HEALTH_EVERY_S` seconds on a thread of its own (an
-NVML call on a failing GPU can block), keeping the latest signals for the agent's polls.
+become its signals (``gpu_ecc_errors``, ``gpu_xid``, ``gpu_throttle`` and its flags, ``gpu_lost``;
+those policies read: :data:`spikeguard.supervisor.decide.health.GPU_SIGNALS`).
+:class:`NvmlReader` takes the readings with ``pynvml`` (the ``nvidia-ml-py`` package, the
+optional extra ``spikeguard[gpu]``), and :class:`HealthMonitor` reads every
+:data:`HEALTH_EVERY_S` seconds on a thread of its own (an NVML call on a failing GPU can block),
+keeping the latest signals for the agent's polls.
 
 Without NVML (the package is not installed, or ``nvmlInit`` fails: a CPU machine, no driver)
 there are no readings and no signals: nothing is reported, nothing is judged. No Ray here.
