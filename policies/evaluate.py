@@ -353,13 +353,15 @@ class Peers:
         return [v for _, v, _ in self._recent.get(rank, ())]
 
     def pace(self, rank: int) -> float | None:
-        """The rank's seconds per step over its kept points, from the messages' own clock (None:
-        fewer than two points with a clock, or a clock that did not move forward)."""
+        """The rank's seconds per step over its kept points, from the messages' own clock: the
+        median of the intervals between them, so one pause among them (an evaluation, a
+        checkpoint, a data stall) does not stretch it (None: fewer than two points with a clock,
+        or a clock that did not move forward)."""
         timed = [(s, t) for s, _, t in self._recent.get(rank, ()) if t is not None]
-        if len(timed) < 2:
-            return None
-        (s0, t0), (s1, t1) = timed[0], timed[-1]
-        return (t1 - t0) / (s1 - s0) if t1 > t0 else None
+        paces = [
+            (t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in itertools.pairwise(timed) if t1 > t0
+        ]
+        return statistics.median(paces) if paces else None
 
     def own(self, rank: int) -> float | None:
         """The rank's median over its last ``span`` steps (None: fewer than ``need`` values)."""

@@ -301,6 +301,14 @@ def test_a_ratio_that_costs_the_job_little_is_not_a_straggler():
         ] == []
 
 
+def test_a_pause_now_and_then_does_not_hide_what_a_straggler_costs():
+    """A 10 s pause every 40 steps (an evaluation, a checkpoint) among 0.2 s steps: the pace is
+    the median interval, so the 25 % excess still shows and the rule fires as without pauses."""
+    slow = _paced(stream(2, 600, slow_from(1, 200, 1.5)), 0.2)
+    paused = [{**m, "t": m["t"] + 10.0 * (m["step"] // 40)} for m in slow]
+    assert fired(replay(SHARE, paused)) == fired(replay(SHARE, slow)) == [(1, 251)]
+
+
 def test_without_the_messages_clock_a_cost_cannot_be_weighed_and_nothing_fires():
     slow = [{k: v for k, v in m.items() if k != "t"} for m in stream(2, 600, slow_from(1, 200, 2))]
     assert fired(replay(SHARE, slow)) == []
