@@ -2,7 +2,8 @@
 time.
 
 A tiny Llama trains for a few steps under ``transformers.Trainer`` with spikeguard's callback,
-evaluating every 3 steps (and once before the first step: ``eval_on_start``). Its eval forwards
+evaluating every 3 steps or at every epoch's end (3 steps), and once before the first step
+(``eval_on_start``). Its eval forwards
 are made slow (a pre-hook inside the model that sleeps whenever it is in eval mode), so the
 forward timing would put the whole evaluation into the next step's ``step_time`` if it ran; the
 probes, armed for every step (``sample_every=1``), would take the evaluation's activations as
@@ -25,7 +26,12 @@ EVAL_SLEEP = 1.0
 """Seconds each eval forward sleeps (the eval set is 2 batches)."""
 
 
-def test_the_trainers_evaluation_is_neither_sampled_nor_timed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+def test_the_trainers_evaluation_is_neither_sampled_nor_timed(
+    tmp_path: Path, strategy: str
+) -> None:
+    """``steps``: every 3 steps (decided in the step's end); ``epoch``: at each epoch's end (3
+    steps an epoch; decided after the step's end, in the epoch's)."""
     import torch
     from spikeguard.examples.hf_llama_diverge import build_model
     from spikeguard.workers.integrations.hf import SpikeguardCallback
@@ -59,7 +65,7 @@ def test_the_trainers_evaluation_is_neither_sampled_nor_timed(tmp_path: Path) ->
         max_steps=7,
         per_device_train_batch_size=2,
         per_device_eval_batch_size=2,
-        eval_strategy="steps",
+        eval_strategy=strategy,
         eval_steps=3,
         eval_on_start=True,
         learning_rate=1e-3,
@@ -75,7 +81,7 @@ def test_the_trainers_evaluation_is_neither_sampled_nor_timed(tmp_path: Path) ->
     out = tmp_path / "rank0.jsonl"
     sg = SpikeguardCallback(sample_every=1, report=f"jsonl://{out}")
     trainer = Trainer(
-        model=model, args=args, train_dataset=Tokens(64), eval_dataset=Tokens(4), callbacks=[sg]
+        model=model, args=args, train_dataset=Tokens(6), eval_dataset=Tokens(4), callbacks=[sg]
     )
     trainer.remove_callback(PrinterCallback)
     trainer.train()

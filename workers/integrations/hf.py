@@ -448,15 +448,23 @@ class SpikeguardCallback(TrainerCallback):
             self._sg().pause_sampling()
 
     def _resume(self) -> None:
+        """Sample and time again: at the next training step (not at ``on_evaluate``, which a
+        dict of eval datasets calls once per dataset, the next one still to come)."""
         if self._paused:
             self._paused = False
             self._sg().resume_sampling()
 
-    def on_evaluate(
+    def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """The evaluation ended: sample and time again from the next training step."""
-        self._resume()
+        """``eval_strategy="epoch"`` decides at the epoch's end, after :meth:`on_step_end`: the
+        epoch's last step is reported now, then the evaluation is paused."""
+        if control.should_evaluate:
+            self._evaluate_next = True
+            if self._pending is None:
+                self._pause()
+            elif not control.should_log:
+                self._flush()  # pauses after the report
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
