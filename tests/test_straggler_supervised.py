@@ -37,30 +37,20 @@ PACE = ["--step-sleep", "0.05"]
 forward is 1.3×): the built-in rule weighs what a slow rank costs a step, so a loaded machine's
 noise is not a straggler and half a step is."""
 
-RECOVER_POLICY = """\
-version: 1
-name: straggler-recovers
-warm_in: 0 steps
-rules:
+TOY_POLICY = Path(__file__).parent / "data" / "toy_policy.yaml"
+RECOVER_POLICY = TOY_POLICY.read_text().replace(
+    "rules:\n",
+    """rules:
   - name: straggler
     when: {signal: step_time, above_peer_median: 1.3, min_step_share: 0.05, median_of: 5 steps}
     for: 50 steps
     action: recover
     recovery: {lr_factors: [1.0], reset_optimizer: false, skip_window: 0}
-  - name: crash
-    when: crash
-    action: recover
-    recovery: {lr_factors: [1.0], reset_optimizer: false}
-  - name: hang
-    when: hang
-    action: recover
-    recovery: {lr_factors: [1.0], reset_optimizer: false}
-recovery:
-  min_grade: S4
-  lr_factors: [0.5]
-  probation_steps: 30
-  max_attempts: 2
-"""
+""",
+    1,
+)
+"""The tests' toy policy (its crash and hang rules, no warm-in) with a straggler rule that
+recovers."""
 
 
 def run(job) -> int:

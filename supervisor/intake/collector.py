@@ -370,7 +370,7 @@ class Collector:
                 )
         return out
 
-    def health_messages(self, polls: Iterable[Any], now: float) -> list[dict[str, Any]]:
+    def health_messages(self, polls: Iterable[RankPoll], now: float) -> list[dict[str, Any]]:
         """``health`` messages for the policy engine: the accelerator readings a poll of the
         current generation carries (its agent's NVML signals, :data:`AGENT_SIGNALS`, as numbers:
         a flag is 0 or 1), at the rank's latest step, when they changed since the rank's last
@@ -381,7 +381,7 @@ class Collector:
             return []
         out = []
         for p in polls:
-            signals, v = getattr(p, "health", None), self.ranks.get(p.rank)
+            signals, v = p.health, self.ranks.get(p.rank)
             if not isinstance(signals, dict) or v is None or p.generation != self.generation:
                 continue
             values = {
